@@ -1,0 +1,1 @@
+"""The codec stage: speech tokens -> mel (flow) -> waveform (HiFT)."""

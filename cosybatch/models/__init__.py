@@ -1,0 +1,1 @@
+"""Plain PyTorch modules of CosyVoice3 (no scheduling, no I/O)."""

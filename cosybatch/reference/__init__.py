@@ -1,0 +1,1 @@
+"""Reference (parity) paths: simple, sequential re-implementations of the official inference loops."""

@@ -1,0 +1,46 @@
+import os
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def fixtures_root() -> Path | None:
+    env = os.environ.get("COSYBATCH_FIXTURES")
+    cands = [Path(env)] if env else []
+    cands.append(_HERE.parent.parent / "shared" / "fixtures")
+    for c in cands:
+        if (c / "cv3-tiny").is_dir():
+            return c
+    return None
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    root = fixtures_root()
+    if root is None:
+        msg = "fixtures not found: set COSYBATCH_FIXTURES or place ../shared/fixtures"
+        if os.environ.get("COSYBATCH_REQUIRE_FIXTURES"):
+            pytest.fail(msg)  # CI must never pass by skipping the parity tests
+        pytest.skip(msg)
+    return root / "cv3-tiny"
+
+
+@pytest.fixture(scope="session")
+def model_dir(fixtures_dir) -> Path:
+    return fixtures_dir / "model"
+
+
+@pytest.fixture(scope="session")
+def reference_dir(fixtures_dir) -> Path:
+    return fixtures_dir / "reference"
+
+
+ROWS = ["utt1", "utt2", "utt3", "utt4", "utt5_paragraph"]
+
+
+def load_ref(reference_dir: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(reference_dir / f"{name}.safetensors"))
