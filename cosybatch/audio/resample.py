@@ -24,8 +24,10 @@ def _sinc_kernel(orig: int, new: int, lowpass_filter_width: int, rolloff: float)
     base_freq = min(orig, new) * rolloff
     width = math.ceil(lowpass_filter_width * orig / base_freq)
     idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, None] / orig
-    # One row per output phase: phase j samples at input time j/new.
-    t = torch.arange(0, -new, -1, dtype=torch.float64)[:, None, None] / new + idx
+    # One row per output phase: phase j samples at input time j/new. torchaudio divides an
+    # integer arange, so j/new is rounded to float32 before joining the float64 grid.
+    phase = (torch.arange(0, -new, -1).to(torch.float32) / new).to(torch.float64)
+    t = phase[:, None, None] + idx
     t = (t * base_freq).clamp(-lowpass_filter_width, lowpass_filter_width)
     window = torch.cos(t * math.pi / lowpass_filter_width / 2) ** 2
     t = t * math.pi

@@ -1,0 +1,18 @@
+"""Audio I/O, resampling and spectral features for CosyVoice3 prompts (no torchaudio/librosa)."""
+
+from .features import kaldi_fbank, prompt_mel, whisper_log_mel
+from .io import AudioError, load_audio, to_mono
+from .mel import kaldi_mel_banks, slaney_mel_filterbank
+from .resample import resample
+
+__all__ = [
+    "AudioError",
+    "load_audio",
+    "to_mono",
+    "resample",
+    "whisper_log_mel",
+    "kaldi_fbank",
+    "prompt_mel",
+    "slaney_mel_filterbank",
+    "kaldi_mel_banks",
+]

@@ -1,0 +1,234 @@
+"""The ``cosybatch`` command: parse, build, run, report.
+
+Heavy imports (torch, the models) happen inside commands so ``--help`` and ``check`` stay fast.
+Exit codes: 0 all rows fine, 1 some rows failed or were invalid, 2 usage or configuration
+error, 130 interrupted.
+
+``synth`` has a hidden ``--synthesizer MODULE:FACTORY`` option: FACTORY is called exactly
+like ``cosybatch.pipeline.build_synthesizer(model, device, profile, overrides)``. Tests use
+it to run the whole command around a fake synthesizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from . import __version__
+from .manifest import Manifest, ManifestError, read_manifest
+from .progress import setup_logging
+from .runner import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunError, run_synth
+from .sharding import ALL, Shard, ShardError, parse_shard, select, shard_from_env
+
+log = logging.getLogger("cosybatch.cli")
+
+DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+DEFAULT_FACTORY = "cosybatch.pipeline:build_synthesizer"
+
+
+def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Ctrl-C anywhere in a command means exit 130 (click alone would say 'Aborted!' and 1)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            log.warning("interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+    return wrapper
+
+
+def _fail(msg: str, code: int = EXIT_USAGE) -> None:
+    log.error("%s", msg)
+    sys.exit(code)
+
+
+def _resolve_shard(spec: str | None) -> Shard:
+    try:
+        if spec is not None:
+            return parse_shard(spec)
+        shard, source = shard_from_env()
+    except ShardError as e:
+        raise click.UsageError(str(e)) from None
+    if shard.count > 1:
+        log.info("shard %s (from %s)", shard, source)
+    return shard
+
+
+def _load_manifest(path: Path) -> Manifest:
+    try:
+        man = read_manifest(path)
+    except ManifestError as e:
+        _fail(str(e))
+    for p in man.problems:
+        log.warning("%s", p)
+    if man.problems:
+        log.warning("%d problem(s) on %d line(s) of %s; those rows are skipped",
+                    len(man.problems), len(man.problems_by_line()), path)
+    return man
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    mod, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr or "build_synthesizer")
+    except (ImportError, AttributeError) as e:
+        raise click.UsageError(f"--synthesizer {spec!r}: {e}") from None
+
+
+def _device_for(device: str) -> str:
+    # Under torchrun every process would otherwise pile onto cuda:0.
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    v = value.strip().lower()
+    if v in ("cpu", "cuda", "auto") or (v.startswith("cuda:") and v[5:].isdigit()):
+        return v
+    raise click.BadParameter("expected cpu, cuda, cuda:N or auto")
+
+
+def _check_overrides(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    for item in value:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE")
+    return list(value)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cosybatch")
+def cli() -> None:
+    """Bulk zero-shot speech synthesis with CosyVoice3."""
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="Checkpoint directory or Hugging Face repo id (local cache only).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder: <utt_id>.wav, ledger.jsonl, timing.json.")
+@click.option("--stream/--no-stream", default=False, show_default=True, help="Streaming (chunked) synthesis.")
+@click.option("--device", default="auto", show_default=True, callback=_check_device, help="cpu, cuda, cuda:N or auto.")
+@click.option("--wav-subtype", type=click.Choice(["PCM_16", "FLOAT"], case_sensitive=False),
+              default="PCM_16", show_default=True)
+@click.option("--profile", default=None, help="Profile name or YAML path.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", callback=_check_overrides,
+              help="Override a profile setting (repeatable).")
+@click.option("--strict", is_flag=True, help="Any manifest problem stops the run before it starts.")
+@click.option("--overwrite", is_flag=True, help="Redo every row, even those already done.")
+@click.option("--shard", "shard_spec", default=None, metavar="I/N",
+              help="Run shard I of N (0-based). Default: from RANK/WORLD_SIZE or a Slurm array.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or info logs.")
+@click.option("--verbose", "-v", is_flag=True, help="Debug logging with tracebacks.")
+@click.option("--synthesizer", "factory", default=DEFAULT_FACTORY, hidden=True)
+@_interruptible
+def synth(manifest: Path, model: str, out_dir: Path, stream: bool, device: str, wav_subtype: str,
+          profile: str | None, overrides: list[str], strict: bool, overwrite: bool,
+          shard_spec: str | None, quiet: bool, verbose: bool, factory: str) -> None:
+    """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT."""
+    setup_logging(verbose, quiet)
+    shard = _resolve_shard(shard_spec)
+    man = _load_manifest(manifest)
+    if strict and man.problems:
+        _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
+    build = _load_factory(factory)
+    try:
+        synthesizer = build(model, _device_for(device), profile, overrides)
+    except Exception as e:
+        log.debug("synthesizer setup failed", exc_info=True)
+        _fail(f"cannot set up the synthesizer for {model!r}: {e}")
+    try:
+        report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype.upper(),
+                           overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
+    except RunError as e:
+        _fail(str(e))
+    if report.failed:
+        shown = ", ".join(report.failed[:10]) + (" ..." if len(report.failed) > 10 else "")
+        log.warning("%d row(s) failed: %s (reasons in %s)", len(report.failed), shown, report.ledger_path)
+    sys.exit(report.exit_code)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--model", default=None, help="Also check this checkpoint directory or repo id.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Also count rows an earlier run already finished there.")
+@click.option("--shard", "shard_spec", default=None, metavar="I/N")
+@click.option("--verbose", "-v", is_flag=True)
+@_interruptible
+def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: str | None, verbose: bool) -> None:
+    """Validate MANIFEST (and --model) and say what synth would do, without synthesizing."""
+    from .check import describe_model, describe_plan
+
+    setup_logging(verbose, quiet=False)
+    shard = _resolve_shard(shard_spec)
+    man = _load_manifest(manifest)
+    code = EXIT_FAILED if man.problems else EXIT_OK
+    if model is not None:
+        try:
+            lines = describe_model(model)
+        except Exception as e:
+            log.debug("model check failed", exc_info=True)
+            _fail(f"model {model!r}: {e}")
+        click.echo("\n".join(lines))
+    click.echo("\n".join(describe_plan(man, select(man.rows, shard) if shard != ALL else man.rows,
+                                       shard, out_dir)))
+    sys.exit(code)
+
+
+@cli.command()
+@click.argument("outs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--into", "into", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the merged timing.json (default: the first OUT).")
+@click.option("--quiet", "-q", is_flag=True)
+@_interruptible
+def merge(outs: tuple[Path, ...], into: Path | None, quiet: bool) -> None:
+    """Combine the ledgers and timings of shard runs (in one or several OUT folders) into one summary."""
+    from .merge import MergeError, merge_outputs
+
+    setup_logging(False, quiet)
+    try:
+        result = merge_outputs(list(outs), into or outs[0])
+    except MergeError as e:
+        _fail(str(e))
+    if not quiet:
+        from .progress import print_summary
+        print_summary(result.totals, title="cosybatch merge")
+    click.echo(str(result.path))
+    sys.exit(result.exit_code)
+
+
+@cli.command("make-checkpoint")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--size", type=click.Choice(["tiny", "small", "full"]), default="tiny", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chunk-size", type=int, default=None, help="Tokens per attention chunk (default: the size's).")
+@click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
+@_interruptible
+def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, force: bool) -> None:
+    """Write a random-weight checkpoint in the official layout (produces noise, not speech)."""
+    setup_logging(False, False)
+    if (out / "llm.pt").exists() and not force:
+        _fail(f"{out} already holds a checkpoint (llm.pt); pass --force to replace it")
+    from .checkpoint.generate import generate_checkpoint
+
+    path = generate_checkpoint(out, size=size, seed=seed, chunk_size=chunk_size)
+    click.echo(str(path))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="cosybatch")
+
+
+if __name__ == "__main__":
+    main()

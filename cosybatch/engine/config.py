@@ -1,0 +1,75 @@
+"""Engine settings: admission, KV-cache size, precision, kernels and CUDA graphs.
+
+Everything the scheduler and runner need arrives in one frozen object (built from a profile by
+``EngineConfig.from_mapping``); nothing in the engine reads globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # admission: at most this many sequences decode together (the profile's AR concurrency)
+    max_num_seqs: int = 64
+    # prompt + generated tokens of one sequence; longer requests are refused at add_request
+    max_model_len: int = 4096
+    # paged KV cache: tokens per block and how many blocks (None: from kv_cache_gb, else enough
+    # for max_num_seqs sequences of max_model_len tokens)
+    kv_block_size: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_gb: float | None = None
+    # packed prompt tokens per prefill forward (at least one whole prompt always goes through)
+    max_prefill_tokens: int = 16384
+    # "auto": float32 on CPU (parity), bfloat16 on CUDA
+    dtype: str = "auto"
+    # "auto": "triton" on CUDA when importable, else "torch".
+    #   torch : per-sequence eager forward through the model's own layer pieces (parity path);
+    #   triton: packed prefill + paged attention + fixed-tile matmuls (batch invariant, graphable).
+    executor: str = "auto"
+    # linears inside the triton executor: "triton" (fixed tiles, batch invariant) or "torch"
+    # (cuBLAS: faster at some sizes, but a row's bits may depend on the batch size)
+    linear: str = "triton"
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    # official CosyVoice3LM.inference ratios (not in the yaml)
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_model_len < 2 or self.kv_block_size < 1:
+            raise ValueError(f"bad engine sizes: {self}")
+        if self.executor not in ("auto", "torch", "triton"):
+            raise ValueError(f"executor must be auto|torch|triton, got {self.executor!r}")
+        if self.linear not in ("triton", "torch"):
+            raise ValueError(f"linear must be triton|torch, got {self.linear!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(m) - known
+        if unknown:
+            raise ValueError(f"unknown engine settings: {sorted(unknown)}")
+        kw = dict(m)
+        if "graph_batch_sizes" in kw:
+            kw["graph_batch_sizes"] = tuple(int(b) for b in kw["graph_batch_sizes"])
+        return cls(**kw)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def buckets(self) -> tuple[int, ...]:
+        """Decode batch sizes replayed from graphs: the configured ones up to max_num_seqs, plus
+        one that covers max_num_seqs itself."""
+        bs = sorted(b for b in set(self.graph_batch_sizes) if b < self.max_num_seqs)
+        return tuple(bs) + (self.max_num_seqs,)

@@ -1,0 +1,120 @@
+"""What a person watching a run sees on stderr: logging, a progress bar, a summary table."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task,
+                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+from rich.text import Text
+
+_HANDLER_MARK = "_cosybatch_handler"
+
+
+def stderr_console() -> Console:
+    # No file bound: rich then writes to whatever sys.stderr is at call time (CliRunner swaps it).
+    return Console(stderr=True)
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False, console: Console | None = None) -> None:
+    """Route the ``cosybatch`` loggers to stderr (idempotent).
+
+    A terminal gets rich's handler; a file or pipe (Slurm logs, CI) gets plain unwrapped
+    lines, so a ``file:line: reason`` message stays one greppable line.
+    """
+    root = logging.getLogger("cosybatch")
+    for h in list(root.handlers):
+        if getattr(h, _HANDLER_MARK, False):
+            root.removeHandler(h)
+    console = console or stderr_console()
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=verbose, rich_tracebacks=verbose,
+                              markup=False, log_time_format="[%X]")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    setattr(handler, _HANDLER_MARK, True)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    root.propagate = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler that follows sys.stderr when it is swapped (as click's CliRunner does)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+class _AudioColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        audio = task.fields.get("audio_s", 0.0)
+        start = task.fields.get("t0")
+        rate = audio / max(time.monotonic() - start, 1e-9) if start is not None else 0.0
+        return Text(f"{audio:8.1f} s audio  {rate:6.2f} audio-s/s", style="cyan")
+
+
+class RunProgress:
+    """Rows done/total, audio seconds, live audio-s/s, ETA; a no-op when not on a TTY."""
+
+    def __init__(self, total: int, enabled: bool, console: Console | None = None):
+        console = console or stderr_console()
+        self.enabled = enabled and console.is_terminal
+        self.audio_s = 0.0
+        self._progress = Progress(
+            TextColumn("[bold]synth"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+            _AudioColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console, disable=not self.enabled, transient=False)
+        self._task = self._progress.add_task("synth", total=total, audio_s=0.0, t0=time.monotonic())
+
+    def __enter__(self) -> "RunProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def advance(self, audio_s: float = 0.0) -> None:
+        self.audio_s += audio_s
+        self._progress.update(self._task, advance=1, audio_s=self.audio_s)
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    for key, label in (("ok", "rows ok"), ("failed", "rows failed"),
+                       ("skipped", "rows skipped (already done)"), ("invalid", "rows invalid")):
+        t.add_row(label, f"{totals.get(key, 0):,}")
+    t.add_row("audio seconds (this run)", _fmt_s(totals.get("audio_s")))
+    t.add_row("wall time (s)", _fmt_s(totals.get("wall_s")))
+    rate = totals.get("audio_s_per_s")
+    t.add_row("audio-s/s", "-" if rate is None else f"{rate:,.2f}")
+    rtf = totals.get("rtf")
+    t.add_row("RTF", "-" if rtf is None else f"{rtf:.4f}")
+    return t
+
+
+def print_summary(totals: dict[str, Any], console: Console | None = None, title: str = "cosybatch synth") -> None:
+    (console or stderr_console()).print(summary_table(totals, title))
+
+
+def is_tty() -> bool:
+    return sys.stderr.isatty()

@@ -1,0 +1,91 @@
+"""Deciding which rows a re-run may skip, and explaining a change of settings.
+
+A row is done when its WAV is intact (size recorded in the ledger) and its latest ledger
+record is 'ok' for the same inputs (texts, prompt path, size, mtime) and the same
+settings fingerprint. Same inputs under different settings is the dangerous case:
+silently redoing some rows would mix two models' outputs in one folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .manifest import ManifestRow
+from .writer import latest_rows
+
+
+def fingerprint_sha(fp: dict[str, Any]) -> str:
+    blob = json.dumps(fp, sort_keys=True, ensure_ascii=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def input_key(row: ManifestRow) -> str:
+    """Everything about a row's inputs that changes its output."""
+    blob = json.dumps([row.prompt_text, row.target_text, str(row.prompt_wav),
+                       row.prompt_size, row.prompt_mtime_ns], ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix or "value": d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
+def explain_change(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
+    if old is None:
+        return ["(the earlier run's settings are not recorded in the ledger)"]
+    a, b = _flatten(old), _flatten(new)
+    return [f"{k}: {a.get(k, '<unset>')!r} before, {b.get(k, '<unset>')!r} now"
+            for k in sorted(set(a) | set(b)) if a.get(k, "<unset>") != b.get(k, "<unset>")]
+
+
+@dataclass
+class Plan:
+    todo: list[ManifestRow]
+    done: dict[str, dict[str, Any]]  # utt_id -> its earlier ok ledger record
+    changed: dict[str, str]  # utt_id -> fingerprint sha its WAV was made with
+
+
+def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: bool,
+                records: list[dict[str, Any]]) -> Plan:
+    latest = latest_rows(records)
+    plan = Plan([], {}, {})
+    for row in rows:
+        rec = latest.get(row.utt_id)
+        if overwrite or rec is None or rec.get("status") != "ok":
+            plan.todo.append(row)
+            continue
+        wav = out_dir / f"{row.utt_id}.wav"
+        try:
+            intact = wav.stat().st_size == rec.get("wav_bytes")
+        except OSError:
+            intact = False
+        if not intact or rec.get("input") != input_key(row):
+            plan.todo.append(row)  # new inputs (or a missing WAV): redoing mixes nothing
+        elif rec.get("fp") != fp_sha:
+            plan.changed[row.utt_id] = str(rec.get("fp"))
+            plan.todo.append(row)
+        else:
+            plan.done[row.utt_id] = rec
+    return plan
+
+
+def changed_message(plan: Plan, records: list[dict[str, Any]], fp: dict[str, Any], out_dir: Path) -> str:
+    known = {r.get("fp"): r.get("fingerprint") for r in records if r.get("event") == "run_start"}
+    lines = [f"{out_dir} already holds {len(plan.changed)} row(s) made with different settings;"
+             " refusing to mix outputs."]
+    for old_sha in sorted(set(plan.changed.values())):
+        n = sum(1 for v in plan.changed.values() if v == old_sha)
+        lines.append(f"  {n} row(s) from settings {old_sha}:")
+        lines.extend(f"    {d}" for d in explain_change(known.get(old_sha), fp))
+    lines.append("Re-run with --overwrite to redo every row, or choose another --out.")
+    return "\n".join(lines)

@@ -1,0 +1,347 @@
+"""``run_synth``: drive a Synthesizer over manifest rows so every row ends up done or explained.
+
+The synthesizer is anything with ``sample_rate``, ``fingerprint() -> dict``,
+``describe() -> dict`` and ``synthesize(row, stream) -> RowResult`` (see
+``cosybatch.pipeline``); this module only needs RowResult's ``audio``,
+``sample_rate``, ``tokens``, ``timings`` and ``chunks`` attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import platform
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from . import __version__
+from .manifest import Manifest, ManifestRow
+from .progress import RunProgress, print_summary, stderr_console
+from .sharding import ALL, Shard, select
+from .resume import Plan, changed_message, fingerprint_sha, input_key, plan_resume
+from .writer import WAV_SUBTYPES, Ledger, TimingWriter, read_ledgers, remove_stale_tmp, write_wav_atomic
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+TIMING_KEYS = ("frontend_s", "llm_s", "flow_s", "hift_s", "first_chunk_s", "total_s")
+TIMING_SCHEMA = "cosybatch.timing/1"
+
+
+class RunError(Exception):
+    """A configuration problem that stops the run before any row (exit code 2)."""
+
+
+class SettingsChanged(RunError):
+    pass
+
+
+@dataclass
+class RunReport:
+    exit_code: int
+    totals: dict[str, Any]
+    out_dir: Path
+    ledger_path: Path
+    timing_path: Path
+    failed: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _out_lock(out_dir: Path, tag: str) -> Iterator[None]:
+    """One writer per (OUT, shard): a second run would interleave the same ledger."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: run unguarded
+        yield
+        return
+    fd = os.open(out_dir / f".cosybatch{tag or '.all'}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunError(f"{out_dir}: another cosybatch synth is writing here (same shard)") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM become KeyboardInterrupt, except inside ``commit()`` where they wait,
+    so a row's WAV and its ledger line are never separated by an interrupt."""
+
+    def __init__(self) -> None:
+        self._pending: int | None = None
+        self._depth = 0
+        self._saved: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self._depth:
+            self._pending = signum
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __enter__(self) -> "_Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._saved[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._saved.items():
+            signal.signal(s, h)
+
+    @contextlib.contextmanager
+    def commit(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self._pending is not None:
+            self._pending = None
+            raise KeyboardInterrupt("deferred signal")
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _check_audio(audio: Any) -> np.ndarray:
+    a = np.asarray(audio)
+    if a.ndim > 1:
+        if sum(d > 1 for d in a.shape) > 1:
+            raise ValueError(f"audio must be mono, got shape {tuple(a.shape)}")
+        a = a.reshape(-1)
+    if a.size == 0:
+        raise ValueError("empty audio")
+    bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        raise ValueError(f"non-finite audio ({bad} NaN/inf samples)")
+    return a.astype(np.float32, copy=False)
+
+
+def _system_info(synth: Any) -> dict[str, Any]:
+    try:
+        desc = dict(synth.describe())
+    except Exception as e:  # a describe() bug must not cost the run
+        desc = {"describe_error": f"{type(e).__name__}: {e}"}
+    import soundfile
+
+    versions = {"cosybatch": __version__, "python": platform.python_version(),
+                "numpy": np.__version__, "soundfile": soundfile.__version__}
+    versions.update(desc.get("versions") or {})
+    for k in ("torch", "python", "cosybatch", "numpy", "onnxruntime", "cuda"):
+        if isinstance(desc.get(k), str):
+            versions[k] = desc.pop(k)
+    desc["versions"] = versions
+    desc.setdefault("model", None)
+    desc.setdefault("device", None)
+    desc["host"] = platform.node()
+    return desc
+
+
+def _row_timing(row: ManifestRow, rec: dict[str, Any], resumed: bool) -> dict[str, Any]:
+    t = rec.get("timings") or {}
+    audio_s = rec.get("audio_s")
+    total = t.get("total_s")
+    return {"utt_id": row.utt_id, "status": rec.get("status"), "prompt_s": round(row.prompt_s, 4),
+            "audio_s": audio_s, "tokens": rec.get("tokens"), "chunks": rec.get("chunks"),
+            **{k: t.get(k) for k in TIMING_KEYS},
+            "rtf": (total / audio_s) if total is not None and audio_s else None,
+            "resumed": resumed, **({"reason": rec["reason"]} if "reason" in rec else {})}
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
+              wav_subtype: str = "PCM_16", overwrite: bool = False, strict: bool = False,
+              shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
+              timing_interval_s: float = 10.0, console: Any = None) -> RunReport:
+    """Synthesize this shard's valid rows into ``out_dir``; returns the exit code to use.
+
+    Raises RunError (exit code 2) for problems found before any row runs: a busy OUT,
+    settings that differ from the WAVs already there, a bad wav subtype.
+    """
+    out = Path(out_dir)
+    if wav_subtype not in WAV_SUBTYPES:
+        raise RunError(f"--wav-subtype {wav_subtype!r}: expected one of {', '.join(WAV_SUBTYPES)}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create output folder {out}: {e}") from None
+    ledger_path, timing_path = out / f"ledger{shard.tag}.jsonl", out / f"timing{shard.tag}.json"
+    if strict and manifest.problems:
+        raise RunError(f"--strict: {len(manifest.problems)} problem(s) in {manifest.path}; nothing was run")
+    console = console or stderr_console()
+    with _out_lock(out, shard.tag):
+        stale = remove_stale_tmp(out, shard.tag)
+        if stale:
+            log.info("removed %d temp file(s) left by an interrupted run", stale)
+        rows = select(manifest.rows, shard)
+        fp = {**synth.fingerprint(), "stream": bool(stream), "wav_subtype": wav_subtype}
+        fp_sha = fingerprint_sha(fp)
+        records = read_ledgers(out)
+        plan = plan_resume(rows, out, fp_sha, overwrite, records)
+        if plan.changed:
+            raise SettingsChanged(changed_message(plan, records, fp, out))
+        invalid = manifest.problems_by_line() if shard.index == 0 else {}
+        return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, wav_subtype,
+                    shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
+
+
+@dataclass
+class _Run:
+    manifest: Manifest
+    synth: Any
+    out: Path
+    rows: list[ManifestRow]
+    plan: Plan
+    fp: dict[str, Any]
+    fp_sha: str
+    invalid: dict[int, list[Any]]  # manifest line -> its problems (only the shard that reports them)
+    stream: bool
+    wav_subtype: str
+    shard: Shard
+    quiet: bool
+    argv: list[str] | None
+    ledger_path: Path
+    timing_path: Path
+    interval: float
+    console: Any
+
+    def __post_init__(self) -> None:
+        self.t_start = time.time()
+        self.timing_rows: dict[str, dict[str, Any]] = {
+            r.utt_id: _row_timing(r, self.plan.done[r.utt_id], True)
+            for r in self.rows if r.utt_id in self.plan.done}
+        self.counts = {"ok": 0, "failed": 0, "skipped": len(self.plan.done), "invalid": len(self.invalid)}
+        self.sums = {k: 0.0 for k in ("audio_s", "tokens", *TIMING_KEYS)}
+        self.failed: list[str] = []
+        self.system = _system_info(self.synth)
+        self.timing = TimingWriter(self.timing_path, self.interval, tag=self.shard.tag)
+        self.interrupted = False
+
+    def totals(self) -> dict[str, Any]:
+        wall = time.time() - self.t_start
+        audio = self.sums["audio_s"]
+        done = self.counts["ok"] + self.counts["failed"] + self.counts["skipped"]
+        return {"rows": len(self.rows), **self.counts, "pending": len(self.rows) - done,
+                "audio_s": round(audio, 4), "wall_s": round(wall, 4),
+                "audio_s_per_s": audio / wall if wall > 0 else None,
+                "rtf": wall / audio if audio > 0 else None,
+                "audio_s_all": round(audio + sum(r.get("audio_s") or 0.0 for r in self.timing_rows.values()
+                                                 if r.get("resumed")), 4),
+                "tokens": int(self.sums["tokens"]),
+                **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS if k != "first_chunk_s"},
+                "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
+
+    def timing_doc(self, complete: bool) -> dict[str, Any]:
+        sys_info = dict(self.system)
+        return {"schema": TIMING_SCHEMA, "complete": complete, "interrupted": self.interrupted,
+                "manifest": self.manifest.path, "out": str(self.out),
+                "model": sys_info.pop("model"), "device": sys_info.pop("device"),
+                "versions": sys_info.pop("versions"), "system": sys_info,
+                "shard": {"index": self.shard.index, "count": self.shard.count},
+                "settings": {"stream": self.stream, "wav_subtype": self.wav_subtype,
+                             "sample_rate": getattr(self.synth, "sample_rate", None)},
+                "fingerprint": self.fp, "fingerprint_sha": self.fp_sha,
+                "started": _iso(self.t_start), "updated": _iso(time.time()),
+                "totals": self.totals(),
+                "rows": [self.timing_rows[r.utt_id] for r in self.rows if r.utt_id in self.timing_rows]}
+
+    def go(self) -> RunReport:
+        todo = self.plan.todo
+        if self.plan.done:
+            log.info("resuming: %d row(s) already done, %d to go", len(self.plan.done), len(todo))
+        with Ledger(self.ledger_path) as ledger, _Interrupts() as intr:
+            ledger.append({"event": "run_start", "fp": self.fp_sha, "fingerprint": self.fp,
+                           "shard": str(self.shard), "argv": self.argv, "pid": os.getpid(),
+                           "rows": len(self.rows), "todo": len(todo), "skipped": len(self.plan.done)})
+            for line, probs in self.invalid.items():
+                ledger.append({"event": "invalid", "utt_id": probs[0].utt_id, "line": line,
+                               "status": "invalid", "reason": "; ".join(p.reason for p in probs)})
+            self.timing.write(self.timing_doc(False))
+            try:
+                with RunProgress(len(todo), enabled=not self.quiet, console=self.console) as bar:
+                    for row in todo:
+                        self._one(row, ledger, intr, bar)
+                        if self.timing.due():
+                            self.timing.write(self.timing_doc(False))
+            except KeyboardInterrupt:
+                self.interrupted = True
+                log.warning("interrupted: finished rows are kept; re-run the same command to resume")
+            totals = self.totals()
+            with intr.commit():
+                ledger.append({"event": "run_end", "fp": self.fp_sha, "interrupted": self.interrupted,
+                               **{k: totals[k] for k in ("ok", "failed", "skipped", "invalid", "pending")}})
+                self.timing.write(self.timing_doc(not self.interrupted))
+        if not self.quiet:
+            print_summary(totals, self.console)
+        code = (EXIT_INTERRUPTED if self.interrupted
+                else EXIT_FAILED if self.counts["failed"] or self.counts["invalid"] else EXIT_OK)
+        return RunReport(code, totals, self.out, self.ledger_path, self.timing_path, self.failed)
+
+    def _one(self, row: ManifestRow, ledger: Ledger, intr: _Interrupts, bar: RunProgress) -> None:
+        base = {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha,
+                "input": input_key(row)}
+        t0 = time.perf_counter()
+        try:
+            res = self.synth.synthesize(row, self.stream)
+            audio = _check_audio(res.audio)
+            sr = int(res.sample_rate)
+            if sr <= 0:
+                raise ValueError(f"bad sample rate {sr}")
+        except Exception as e:
+            self._failed(row, base, e, ledger, intr, bar)
+            return
+        timings = {k: _finite(v) for k, v in dict(res.timings or {}).items()}
+        if timings.get("total_s") is None:
+            timings["total_s"] = time.perf_counter() - t0
+        audio_s = len(audio) / sr
+        rec = {**base, "status": "ok", "wav": f"{row.utt_id}.wav", "sample_rate": sr,
+               "audio_s": round(audio_s, 6), "tokens": int(res.tokens), "chunks": int(res.chunks),
+               "prompt_s": round(row.prompt_s, 4), "timings": timings}
+        with intr.commit():
+            try:
+                rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype,
+                                                    tag=self.shard.tag)
+            except OSError as e:
+                self._failed(row, base, e, ledger, intr, bar)
+                return
+            ledger.append(rec)
+        self.counts["ok"] += 1
+        self.sums["audio_s"] += audio_s
+        self.sums["tokens"] += rec["tokens"]
+        for k in TIMING_KEYS:
+            self.sums[k] += timings.get(k) or 0.0
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        log.debug("%s ok: %.2f s audio in %.2f s", row.utt_id, audio_s, timings["total_s"])
+        bar.advance(audio_s)
+
+    def _failed(self, row: ManifestRow, base: dict[str, Any], e: BaseException, ledger: Ledger,
+                intr: _Interrupts, bar: RunProgress) -> None:
+        reason = f"{type(e).__name__}: {e}"[:1000]
+        log.error("%s (line %d) failed: %s", row.utt_id, row.line, reason)
+        log.debug("%s", traceback.format_exc())
+        rec = {**base, "status": "failed", "reason": reason}
+        with intr.commit():
+            ledger.append(rec)
+        self.counts["failed"] += 1
+        self.failed.append(row.utt_id)
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        bar.advance(0.0)

@@ -1,0 +1,138 @@
+"""cosybatch.frontend.Frontend against the official frontend_zero_shot outputs in the fixtures."""
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from conftest import ROWS, load_ref
+from cosybatch.audio import AudioError, load_audio, resample, to_mono
+from cosybatch.config import MelConfig, ModelConfig
+from cosybatch.frontend import Frontend, PromptFeatures
+
+PROMPT_OF = {"utt1": "p1_16k", "utt2": "p2_24k", "utt3": "p3_16k", "utt4": "p4_24k", "utt5_paragraph": "p5_16k"}
+
+
+@pytest.fixture(scope="module")
+def frontend(model_dir):
+    return Frontend(model_dir, ModelConfig(), tokenizer=None)
+
+
+def _wav(fixtures_dir, utt):
+    return fixtures_dir / "prompts" / f"{PROMPT_OF[utt]}.wav"
+
+
+@pytest.mark.parametrize("utt", ROWS)
+def test_prompt_matches_official(frontend, fixtures_dir, reference_dir, utt):
+    ref = load_ref(reference_dir, utt)
+    feats = frontend.prompt(_wav(fixtures_dir, utt))
+    assert isinstance(feats, PromptFeatures)
+
+    wav, sr = load_audio(_wav(fixtures_dir, utt))
+    raw = frontend.speech_tokens(resample(to_mono(wav), sr, 16000))
+    assert torch.equal(raw, ref["frontend.speech_token_raw"][0].long())
+
+    assert feats.speech_tokens.dtype == torch.long
+    assert torch.equal(feats.speech_tokens, ref["frontend.prompt_speech_token"][0].long())
+    assert feats.embedding.shape == (1, 192) and feats.embedding.dtype == torch.float32
+    assert (feats.embedding - ref["frontend.embedding"]).abs().max() <= 1e-5
+    assert feats.mel.shape == ref["frontend.prompt_speech_feat"].shape
+    assert (feats.mel - ref["frontend.prompt_speech_feat"]).abs().max() <= 1e-4
+    assert feats.mel.shape[1] == 2 * feats.speech_tokens.shape[0]
+
+
+def test_alignment_cut_uses_the_shorter_side(frontend, fixtures_dir, reference_dir):
+    # utt2: 66 raw tokens but only 131 mel frames -> 65 tokens / 130 frames.
+    ref = load_ref(reference_dir, "utt2")
+    assert ref["frontend.speech_token_raw"].shape[1] == 66
+    feats = frontend.prompt(_wav(fixtures_dir, "utt2"))
+    assert feats.speech_tokens.shape[0] == 65 and feats.mel.shape[1] == 130
+
+
+def test_prompt_cache(model_dir, fixtures_dir, monkeypatch):
+    fe = Frontend(model_dir, ModelConfig(), cache_size=1)
+    calls = []
+    real = fe.extract
+    monkeypatch.setattr(fe, "extract", lambda p: calls.append(p) or real(p))
+    a = fe.prompt(_wav(fixtures_dir, "utt1"))
+    a.speech_tokens.zero_()  # callers get copies: mutating one must not poison the cache
+    b = fe.prompt(str(_wav(fixtures_dir, "utt1")))
+    assert len(calls) == 1
+    assert torch.equal(b.speech_tokens, fe.extract(_wav(fixtures_dir, "utt1")).speech_tokens)
+    fe.prompt(_wav(fixtures_dir, "utt3"))  # evicts utt1 (size 1)
+    fe.prompt(_wav(fixtures_dir, "utt1"))
+    assert len(calls) == 4  # 2 misses + 1 direct extract + re-miss after eviction
+
+
+def test_stereo_prompt_is_channel_mean(frontend, fixtures_dir, tmp_path):
+    data, sr = sf.read(_wav(fixtures_dir, "utt1"), dtype="int16")
+    p = tmp_path / "stereo.wav"
+    sf.write(p, np.stack([data, data], 1), sr, subtype="PCM_16")
+    a = frontend.prompt(p)
+    b = frontend.prompt(_wav(fixtures_dir, "utt1"))
+    assert torch.equal(a.speech_tokens, b.speech_tokens)
+    assert torch.equal(a.mel, b.mel)
+
+
+def test_48k_prompt_resamples_both_ways(frontend, fixtures_dir, tmp_path):
+    data, sr = sf.read(_wav(fixtures_dir, "utt2"), dtype="float32")
+    x48 = resample(torch.from_numpy(data)[None], sr, 48000)[0].numpy()
+    p = tmp_path / "p48.wav"
+    sf.write(p, x48, 48000, subtype="FLOAT")
+    feats = frontend.prompt(p)
+    ref = frontend.prompt(_wav(fixtures_dir, "utt2"))
+    assert feats.mel.shape[1] == 2 * feats.speech_tokens.shape[0]
+    assert abs(feats.speech_tokens.shape[0] - ref.speech_tokens.shape[0]) <= 1
+    n = min(feats.mel.shape[1], ref.mel.shape[1]) - 2
+    assert (feats.mel[:, 2:n] - ref.mel[:, 2:n]).abs().mean() < 0.2
+
+
+def test_rejects_low_rate_long_and_short(frontend, tmp_path):
+    p8 = tmp_path / "p8k.wav"
+    sf.write(p8, np.random.default_rng(0).uniform(-0.1, 0.1, 8000).astype(np.float32), 8000)
+    with pytest.raises(AudioError, match="below"):
+        frontend.prompt(p8)
+    plong = tmp_path / "long.wav"
+    sf.write(plong, np.zeros(16000 * 31, dtype=np.float32), 16000)
+    with pytest.raises(AudioError, match="30"):
+        frontend.prompt(plong)
+    pshort = tmp_path / "short.wav"
+    sf.write(pshort, np.zeros(200, dtype=np.float32), 16000)
+    with pytest.raises(AudioError):
+        frontend.prompt(pshort)
+    with pytest.raises(AudioError):
+        frontend.prompt(tmp_path / "missing.wav")
+
+
+def test_other_mel_config(model_dir, fixtures_dir):
+    # Everything about the prompt mel comes from the config (rate, sizes, bins, ratio).
+    mel = MelConfig(n_fft=1024, num_mels=64, sampling_rate=22050, hop_size=256, win_size=1024, fmax=8000.0)
+    cfg = ModelConfig(mel=mel, sample_rate=22050)
+    fe = Frontend(model_dir, cfg)
+    feats = fe.prompt(_wav(fixtures_dir, "utt1"))
+    wav, sr = load_audio(_wav(fixtures_dir, "utt1"))
+    frames = resample(wav, sr, 22050).shape[1] // 256
+    raw = fe.speech_tokens(resample(wav, sr, 16000)).shape[0]
+    n = min(frames // cfg.flow.token_mel_ratio, raw)
+    assert feats.mel.shape == (1, 2 * n, 64)
+    assert feats.speech_tokens.shape == (n,)
+
+
+@pytest.mark.parametrize("utt", ROWS)
+def test_prepare_matches_official(model_dir, reference_dir, fixtures_dir, utt):
+    pytest.importorskip("cosybatch.text.tokenizer", reason="H1's tokenizer not written yet")
+    pytest.importorskip("cosybatch.text.normalize", reason="H1's normalizer not written yet")
+    import json
+
+    from cosybatch.text.tokenizer import CosyVoice3Tokenizer
+
+    meta = json.loads((reference_dir / f"{utt}.json").read_text())
+    ref = load_ref(reference_dir, utt)
+    fe = Frontend(model_dir, ModelConfig(), CosyVoice3Tokenizer.from_dir(model_dir / "CosyVoice-BlankEN"))
+    out = fe.prepare(meta["prompt_text_raw"], meta["target_text"])
+    assert out.prompt_text_ids.dtype == torch.long
+    assert torch.equal(out.prompt_text_ids, ref["frontend.prompt_text_token"][0].long())
+    n_seg = len([k for k in ref if k.startswith("seg") and k.endswith(".text_token")])
+    assert len(out.segments) == n_seg == len(out.segment_texts)
+    for s, ids in enumerate(out.segments):
+        assert torch.equal(ids, ref[f"seg{s}.text_token"][0].long())

@@ -1,0 +1,245 @@
+"""run_synth around a fake synthesizer: outputs, isolation, resume, interrupts, sharding, merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosybatch import runner as runner_mod
+from cosybatch.manifest import ManifestRow, read_manifest
+from cosybatch.merge import merge_outputs
+from cosybatch.runner import RunError, SettingsChanged, run_synth
+from cosybatch.sharding import Shard, ShardError, assign, estimated_cost, parse_shard, select, shard_from_env
+from fake_synth import FakeSynth, expected_audio, make_manifest
+
+
+def _ledger(out: Path, name="ledger.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (out / name).read_text().splitlines()]
+
+
+def _ok_ids(out: Path, name="ledger.jsonl") -> list[str]:
+    return [r["utt_id"] for r in _ledger(out, name) if r.get("event") == "row" and r["status"] == "ok"]
+
+
+def _run(man_path, synth, out, **kw):
+    kw.setdefault("quiet", True)
+    return run_synth(read_manifest(man_path), synth, out, **kw)
+
+
+def test_all_rows_written_as_utt_id_wav_with_ledger_and_timing(tmp_path):
+    man = make_manifest(tmp_path, 4)
+    out = tmp_path / "out"
+    rep = _run(man, FakeSynth(), out, wav_subtype="FLOAT")
+    assert rep.exit_code == 0
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "ledger.jsonl", "timing.json", "u0.wav", "u1.wav", "u2.wav", "u3.wav"]
+    for row in read_manifest(man).rows:
+        audio, sr = sf.read(str(out / f"{row.utt_id}.wav"), dtype="float32")
+        assert sr == 24000
+        np.testing.assert_array_equal(audio, expected_audio(row.utt_id, row.target_text))
+    assert _ok_ids(out) == ["u0", "u1", "u2", "u3"]
+    events = [r["event"] for r in _ledger(out)]
+    assert events[0] == "run_start" and events[-1] == "run_end"
+    t = json.loads((out / "timing.json").read_text())
+    assert t["complete"] is True and t["model"] == "fake" and t["device"] == "cpu"
+    assert t["versions"]["fake"] == "1" and "numpy" in t["versions"]
+    assert t["settings"] == {"stream": False, "wav_subtype": "FLOAT", "sample_rate": 24000}
+    r0 = t["rows"][0]
+    assert r0["utt_id"] == "u0" and r0["prompt_s"] == 1.0 and r0["tokens"] == len("Hello there, this is row 0.")
+    assert r0["audio_s"] == pytest.approx(len(expected_audio("u0", "Hello there, this is row 0.")) / 24000)
+    for k in ("frontend_s", "llm_s", "flow_s", "hift_s", "first_chunk_s", "total_s", "rtf"):
+        assert isinstance(r0[k], float)
+    tot = t["totals"]
+    assert (tot["rows"], tot["ok"], tot["failed"], tot["skipped"], tot["invalid"]) == (4, 4, 0, 0, 0)
+    assert tot["audio_s"] == pytest.approx(sum(r["audio_s"] for r in t["rows"]), abs=1e-3)
+    assert tot["audio_s_per_s"] > 0 and tot["rtf"] > 0
+
+
+def test_one_bad_row_among_good_ones(tmp_path):
+    man = make_manifest(tmp_path, 5)
+    out = tmp_path / "out"
+    rep = _run(man, FakeSynth(fail={"u1"}, nan={"u3"}), out)
+    assert rep.exit_code == 1 and rep.failed == ["u1", "u3"]
+    assert sorted(p.name for p in out.glob("*.wav")) == ["u0.wav", "u2.wav", "u4.wav"]
+    rows = {r["utt_id"]: r for r in _ledger(out) if r.get("event") == "row"}
+    assert rows["u1"]["status"] == "failed" and "synthetic failure for u1" in rows["u1"]["reason"]
+    assert rows["u3"]["status"] == "failed" and "non-finite audio (1 NaN/inf samples)" in rows["u3"]["reason"]
+    t = json.loads((out / "timing.json").read_text())
+    assert (t["totals"]["ok"], t["totals"]["failed"]) == (3, 2)
+    # A re-run retries only the failed rows.
+    synth = FakeSynth()
+    assert _run(man, synth, out).exit_code == 0
+    assert synth.calls == ["u1", "u3"]
+
+
+def test_a_row_whose_wav_cannot_be_written_fails_alone(tmp_path, monkeypatch):
+    man = make_manifest(tmp_path, 3)
+    real = runner_mod.write_wav_atomic
+
+    def flaky(final, *a, **kw):
+        if final.name == "u1.wav":
+            raise OSError(5, "Input/output error")
+        return real(final, *a, **kw)
+
+    monkeypatch.setattr(runner_mod, "write_wav_atomic", flaky)
+    rep = _run(man, FakeSynth(), tmp_path / "out")
+    assert rep.exit_code == 1 and rep.failed == ["u1"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.wav")) == ["u0.wav", "u2.wav"]
+
+
+def test_invalid_rows_are_ledgered_and_strict_refuses(tmp_path):
+    man = make_manifest(tmp_path, 2)
+    with open(man, "a") as f:
+        f.write("bad|P.|prompts/missing.wav|T.\nu0|dup.|prompts/a.wav|T.\n")
+    out = tmp_path / "out"
+    with pytest.raises(RunError, match="--strict"):
+        _run(man, FakeSynth(), out, strict=True)
+    assert not (out / "ledger.jsonl").exists()
+    rep = _run(man, FakeSynth(), out)
+    assert rep.exit_code == 1 and rep.totals["invalid"] == 2 and rep.totals["ok"] == 2
+    inv = [r for r in _ledger(out) if r["event"] == "invalid"]
+    assert [(r["line"], r["utt_id"]) for r in inv] == [(3, "bad"), (4, "u0")]
+    assert "not found" in inv[0]["reason"] and "duplicate" in inv[1]["reason"]
+    assert _ok_ids(out) == ["u0", "u1"]  # the duplicate did not shadow the good u0
+
+
+def test_resume_skips_done_rows_and_redoes_exactly_what_changed(tmp_path):
+    man = make_manifest(tmp_path, 6)
+    out = tmp_path / "out"
+    assert _run(man, FakeSynth(), out).exit_code == 0
+    synth = FakeSynth()
+    rep = _run(man, synth, out)
+    assert synth.calls == [] and rep.totals["skipped"] == 6 and rep.exit_code == 0
+    t = json.loads((out / "timing.json").read_text())
+    assert len(t["rows"]) == 6 and all(r["resumed"] for r in t["rows"]) and t["totals"]["audio_s_all"] > 0
+
+    (out / "u0.wav").unlink()  # missing WAV
+    with open(out / "u1.wav", "r+b") as f:  # WAV damaged behind our back
+        f.truncate(100)
+    text = man.read_text().replace("this is row 2.", "this is row two.")  # changed text
+    man.write_text(text)
+    later = time.time() + 5  # prompt b.wav replaced (rows u1, u3, u5 use it)
+    os.utime(tmp_path / "prompts" / "b.wav", (later, later))
+    synth = FakeSynth()
+    assert _run(man, synth, out).exit_code == 0
+    assert synth.calls == ["u0", "u1", "u2", "u3", "u5"]
+    assert sorted(p.name for p in out.glob("*.wav")) == [f"u{i}.wav" for i in range(6)]
+
+    synth = FakeSynth()
+    assert _run(man, synth, out, overwrite=True).exit_code == 0
+    assert synth.calls == [f"u{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("change", [{"synth": FakeSynth(freq=330.0)}, {"stream": True}])
+def test_changed_setting_is_explained_not_mixed(tmp_path, change):
+    man = make_manifest(tmp_path, 3)
+    out = tmp_path / "out"
+    assert _run(man, FakeSynth(), out).exit_code == 0
+    before = (out / "ledger.jsonl").read_bytes()
+    synth = change.get("synth", FakeSynth())
+    with pytest.raises(SettingsChanged) as ei:
+        _run(man, synth, out, stream=change.get("stream", False))
+    msg = str(ei.value)
+    assert "3 row(s) made with different settings" in msg and "--overwrite" in msg
+    assert ("freq: 220.0 before, 330.0 now" in msg) if "synth" in change else ("stream: False before, True now" in msg)
+    assert synth.calls == [] and (out / "ledger.jsonl").read_bytes() == before
+    assert _run(man, synth, out, stream=change.get("stream", False), overwrite=True).exit_code == 0
+    assert len(synth.calls) == 3
+
+
+def test_interrupt_exits_130_with_consistent_ledger_then_resumes(tmp_path):
+    man = make_manifest(tmp_path, 4)
+    out = tmp_path / "out"
+    rep = _run(man, FakeSynth(interrupt_at="u2"), out)
+    assert rep.exit_code == 130
+    assert _ok_ids(out) == ["u0", "u1"] and sorted(p.name for p in out.glob("*.wav")) == ["u0.wav", "u1.wav"]
+    end = _ledger(out)[-1]
+    assert end["event"] == "run_end" and end["interrupted"] is True and end["pending"] == 2
+    t = json.loads((out / "timing.json").read_text())
+    assert t["complete"] is False and t["interrupted"] is True and len(t["rows"]) == 2
+    assert not [p for p in out.iterdir() if ".cbtmp" in p.name]
+    synth = FakeSynth()
+    assert _run(man, synth, out).exit_code == 0 and synth.calls == ["u2", "u3"]
+
+
+def test_second_writer_on_same_out_and_shard_is_refused(tmp_path):
+    man = make_manifest(tmp_path, 2)
+    out = tmp_path / "out"
+
+    class Reentrant(FakeSynth):
+        def synthesize(self, row, stream):
+            with pytest.raises(RunError, match="another cosybatch synth"):
+                _run(man, FakeSynth(), out)
+            return super().synthesize(row, stream)
+
+    assert _run(man, Reentrant(), out).exit_code == 0
+
+
+def _rows(costs):
+    return [ManifestRow(f"r{i:03d}", "p", Path("x.wav"), "t" * int(c * 15), line=i + 1, prompt_s=0.0)
+            for i, c in enumerate(costs)]
+
+
+def test_sharding_is_deterministic_disjoint_complete_and_balanced():
+    rng = np.random.default_rng(0)
+    rows = _rows(np.concatenate([rng.uniform(1, 5, 300), [200, 180, 150]]))
+    a = assign(rows, 4)
+    assert a == assign(list(rows), 4)
+    parts = [select(rows, Shard(i, 4)) for i in range(4)]
+    ids = [r.utt_id for p in parts for r in p]
+    assert sorted(ids) == sorted(r.utt_id for r in rows)
+    loads = [sum(estimated_cost(r) for r in p) for p in parts]
+    assert max(loads) - min(loads) <= max(estimated_cost(r) for r in rows) * 0.05
+    assert [r.line for r in parts[1]] == sorted(r.line for r in parts[1])  # manifest order kept
+    assert select(rows, Shard(0, 1)) == rows
+
+
+def test_shard_spec_and_environment():
+    assert parse_shard("2/8") == Shard(2, 8)
+    for bad in ("8/8", "-1/4", "1", "a/b", "0/0"):
+        with pytest.raises(ShardError):
+            parse_shard(bad)
+    assert shard_from_env({}) == (Shard(0, 1), "default")
+    assert shard_from_env({"RANK": "3", "WORLD_SIZE": "4"})[0] == Shard(3, 4)
+    assert shard_from_env({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4",
+                           "SLURM_ARRAY_TASK_MIN": "2"})[0] == Shard(3, 4)
+    assert shard_from_env({"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_COUNT": "4",
+                           "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "4"})[0] == Shard(2, 4)
+    with pytest.raises(ShardError):
+        shard_from_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_shards_share_an_out_folder_and_merge(tmp_path):
+    man = make_manifest(tmp_path, 7)
+    out = tmp_path / "out"
+    codes = [_run(man, FakeSynth(fail={"u4"}), out, shard=Shard(i, 3)).exit_code for i in range(3)]
+    assert sorted(p.name for p in out.glob("*.wav")) == [f"u{i}.wav" for i in range(7) if i != 4]
+    assert sorted(p.name for p in out.glob("ledger*")) == [f"ledger.shard-{i}-of-3.jsonl" for i in range(3)]
+    assert codes.count(1) == 1
+    res = merge_outputs([out], out)
+    assert res.path == out / "timing.json" and res.exit_code == 1
+    assert (res.totals["ok"], res.totals["failed"], res.totals["shards"]) == (6, 1, 3)
+    doc = json.loads(res.path.read_text())
+    assert doc["merged"] is True and sorted(r["utt_id"] for r in doc["rows"]) == [f"u{i}" for i in range(7)]
+    assert "u4" in doc["failed"]
+    # An unsharded resume in the same folder sees every shard's work.
+    synth = FakeSynth()
+    assert _run(man, synth, out).exit_code == 0 and synth.calls == ["u4"]
+    # Merging again does not double count the merged file, and never overwrites a source.
+    res2 = merge_outputs([out], out)
+    assert res2.path == out / "timing.merged.json" and res2.totals["ok"] == 7 and res2.totals["failed"] == 0
+
+
+def test_merge_reports_missing_shards(tmp_path):
+    man = make_manifest(tmp_path, 4)
+    outs = [tmp_path / f"o{i}" for i in range(3)]
+    for i in (0, 2):
+        _run(man, FakeSynth(), outs[i], shard=Shard(i, 3))
+    res = merge_outputs([outs[0], outs[2]], tmp_path / "merged")
+    assert res.totals["missing_shards"] == ["1/3"] and res.exit_code == 1
