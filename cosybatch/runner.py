@@ -324,12 +324,14 @@ class _Run:
                 self._failed(row, base, e, ledger, intr, bar)
                 return
             ledger.append(rec)
-        self.counts["ok"] += 1
-        self.sums["audio_s"] += audio_s
-        self.sums["tokens"] += rec["tokens"]
-        for k in TIMING_KEYS:
-            self.sums[k] += timings.get(k) or 0.0
-        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+            # Counted inside the commit: a deferred Ctrl-C fires on exit, and the run_end
+            # totals must include the row whose ledger line was just written.
+            self.counts["ok"] += 1
+            self.sums["audio_s"] += audio_s
+            self.sums["tokens"] += rec["tokens"]
+            for k in TIMING_KEYS:
+                self.sums[k] += timings.get(k) or 0.0
+            self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         log.debug("%s ok: %.2f s audio in %.2f s", row.utt_id, audio_s, timings["total_s"])
         bar.advance(audio_s)
 
@@ -341,7 +343,7 @@ class _Run:
         rec = {**base, "status": "failed", "reason": reason}
         with intr.commit():
             ledger.append(rec)
-        self.counts["failed"] += 1
-        self.failed.append(row.utt_id)
-        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+            self.counts["failed"] += 1
+            self.failed.append(row.utt_id)
+            self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         bar.advance(0.0)

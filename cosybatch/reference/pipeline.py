@@ -24,6 +24,7 @@ class SegmentTrace:
     llm_tokens: list[int]
     flow_tokens: list[int]
     chunk_wavs: list[np.ndarray] = field(default_factory=list)
+    chunk_mels: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ReferencePipeline:
                 toks = torch.tensor(trace.flow_tokens, dtype=torch.long, device=dev)
                 mel = clock.run("flow_s", flow_chunk, m.flow, toks, prompt, chunk, self.full_attention_final)
                 wav = clock.run("hift_s", hift.push, mel, chunk.finalize)
+                trace.chunk_mels.append(mel.cpu())
                 trace.chunk_wavs.append(wav[0].float().cpu().numpy())
                 if first_chunk_at is None and wav.shape[1] > 0:
                     first_chunk_at = time.perf_counter() - t_start
@@ -115,6 +117,7 @@ class ReferencePipeline:
                 toks = torch.tensor(trace.flow_tokens, dtype=torch.long, device=dev)
                 mel = clock.run("flow_s", flow_full, m.flow, toks, prompt)
                 wav, _ = clock.run("hift_s", m.hift.inference, mel, True)
+                trace.chunk_mels.append(mel.cpu())
                 trace.chunk_wavs.append(wav[0].float().cpu().numpy())
                 if first_chunk_at is None:
                     first_chunk_at = time.perf_counter() - t_start

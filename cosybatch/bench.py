@@ -1,0 +1,385 @@
+"""Closed-loop benchmark of a streaming pipeline, measured the way serving benchmarks are.
+
+At most ``concurrency`` requests are in flight; a new one is admitted as soon as one finishes.
+Warm-up requests run first through the same loop and are drained before the clock starts.
+The driver stamps every event itself (``perf_counter`` when ``step`` returns), so a pipeline
+cannot flatter its own numbers. ``cosybatch profile`` is :data:`profile_command` (registered by
+the CLI with ``cli.add_command(profile_command)``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from cosybatch.metrics import Timeline, aggregate, request_metrics
+from cosybatch.requests import StreamingPipeline, SynthRequest
+
+log = logging.getLogger("cosybatch.bench")
+
+class BenchError(RuntimeError):
+    """The pipeline broke the driver's contract (unknown request, stalled with work pending)."""
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    utt_id: str
+    admitted: float  # seconds since the measured run started
+    finished: float | None
+    error: str | None
+    chunks: list[tuple[float, int]]  # (seconds since run start, samples)
+    ttfp_s: float | None = None
+    e2el_s: float | None = None
+    audio_duration_s: float = 0.0
+    rtf: float | None = None
+    underrun_s: float = 0.0
+
+
+@dataclass
+class BenchResult:
+    concurrency: int
+    num_warmups: int
+    wall_s: float
+    metrics: dict[str, Any]
+    records: list[RequestRecord]
+    max_in_flight: int
+    stage_busy_s: dict[str, float] = field(default_factory=dict)
+    gpu_memory: dict[str, Any] | None = None
+    warmup_failed: int = 0
+
+    def to_json(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """vLLM-bench-like layout: run facts, aggregate metrics, then per-request lists."""
+        ok = [r for r in self.records if r.error is None and r.finished is not None]
+        doc: dict[str, Any] = {"backend": "cosybatch", **(meta or {}),
+                               "max_concurrency": self.concurrency, "num_prompts": len(self.records),
+                               "num_warmups": self.num_warmups, "warmup_failed": self.warmup_failed,
+                               "max_in_flight": self.max_in_flight, **self.metrics,
+                               "stage_busy_s": self.stage_busy_s,
+                               "stage_busy_frac": {k: v / self.wall_s for k, v in self.stage_busy_s.items()},
+                               "gpu_memory": self.gpu_memory}
+        doc.update(ttfps=[r.ttfp_s for r in ok], e2els=[r.e2el_s for r in ok],
+                   audio_durations=[r.audio_duration_s for r in ok], rtfs=[r.rtf for r in ok],
+                   underruns=[r.underrun_s for r in ok],
+                   errors=[f"{r.request_id}: {r.error}" for r in self.records if r.error is not None],
+                   records=[asdict(r) for r in self.records])
+        return doc
+
+
+class _GpuMemory:
+    """Peak allocator and device-level memory over the measured run (None without CUDA)."""
+
+    MIN_INTERVAL_S = 0.2  # cudaMemGetInfo is cheap, but not free inside a tight step loop
+
+    def __init__(self) -> None:
+        self.torch: Any = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                self.torch = torch
+        except ImportError:
+            pass
+        self.peak_used = 0
+        self.total = 0
+        self.last = -1e9
+
+    def start(self) -> None:
+        if self.torch is not None:
+            self.torch.cuda.reset_peak_memory_stats()
+            self.sample(force=True)
+
+    def sample(self, force: bool = False) -> None:
+        if self.torch is None:
+            return
+        now = time.perf_counter()
+        if force or now - self.last >= self.MIN_INTERVAL_S:
+            free, self.total = self.torch.cuda.mem_get_info()
+            self.peak_used = max(self.peak_used, self.total - free)
+            self.last = now
+
+    def result(self) -> dict[str, Any] | None:
+        if self.torch is None:
+            return None
+        self.sample(force=True)
+        cuda = self.torch.cuda
+        gib = 1024**3
+        return {"device": cuda.get_device_name(), "max_allocated_gib": cuda.max_memory_allocated() / gib,
+                "max_reserved_gib": cuda.max_memory_reserved() / gib,
+                "device_max_used_gib": self.peak_used / gib, "device_total_gib": self.total / gib}
+
+
+@dataclass
+class _Loop:
+    timelines: dict[str, Timeline]
+    t_start: float
+    t_end: float
+    max_in_flight: int
+
+
+def _drive(pipeline: StreamingPipeline, reqs: Sequence[SynthRequest], concurrency: int,
+           clock: Callable[[], float], on_step: Callable[[], None] = lambda: None) -> _Loop:
+    pending = deque(reqs)
+    sr = int(pipeline.sample_rate)
+    admitted: dict[str, float] = {}
+    chunks: dict[str, list[tuple[float, int]]] = {}
+    done: dict[str, Timeline] = {}
+    max_in_flight = 0
+    t_start = clock()
+    t_end = t_start
+    while pending or admitted:
+        while pending and len(admitted) < concurrency:
+            req = pending.popleft()
+            if req.request_id in admitted or req.request_id in done:
+                raise BenchError(f"duplicate request id {req.request_id!r}")
+            admitted[req.request_id] = clock()
+            chunks[req.request_id] = []
+            pipeline.add_request(req)
+        max_in_flight = max(max_in_flight, len(admitted))
+        if not pipeline.has_work():
+            raise BenchError(f"pipeline reports no work while {len(admitted)} request(s) are in flight: "
+                             + ", ".join(sorted(admitted)[:5]))
+        events = pipeline.step()
+        now = clock()
+        on_step()
+        for ev in events:
+            if ev.request_id not in admitted:
+                raise BenchError(f"{ev.kind} event for request {ev.request_id!r}, which is not in flight")
+            if ev.kind == "chunk":
+                n = 0 if ev.audio is None else int(len(ev.audio))
+                chunks[ev.request_id].append((now, n))
+                continue
+            done[ev.request_id] = Timeline(admitted.pop(ev.request_id), tuple(chunks.pop(ev.request_id)), sr,
+                                           finished=now, error=(ev.error or "error") if ev.kind == "error" else None)
+            t_end = now
+    return _Loop(done, t_start, t_end, max_in_flight)
+
+
+def _warmup_requests(requests: Sequence[SynthRequest], n: int) -> list[SynthRequest]:
+    return [SynthRequest(f"warmup-{i}", r.row, r.stream, r.force_tokens)
+            for i, r in zip(range(n), (requests[i % len(requests)] for i in range(n)))]
+
+
+def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest], concurrency: int,
+                    num_warmups: int = 0, *, clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+    """Run ``num_warmups`` warm-ups (copies of the first requests, cycled), drain them, then
+    measure ``requests`` at ``concurrency``; wall time runs from the first admission to the
+    last completion."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if not requests:
+        raise ValueError("no requests to run")
+    warm_failed = 0
+    if num_warmups > 0:
+        warm = _drive(pipeline, _warmup_requests(requests, num_warmups), concurrency, clock)
+        warm_failed = sum(1 for tl in warm.timelines.values() if not tl.ok)
+        if warm_failed:
+            log.warning("%d of %d warm-up request(s) failed", warm_failed, num_warmups)
+    gpu = _GpuMemory()
+    gpu.start()
+    busy0 = dict(pipeline.stage_busy())
+    loop = _drive(pipeline, requests, concurrency, clock, on_step=gpu.sample)
+    busy1 = pipeline.stage_busy()
+    wall = max(loop.t_end - loop.t_start, 1e-9)
+    records = []
+    for req in requests:
+        tl = loop.timelines[req.request_id]
+        m = request_metrics(tl)
+        records.append(RequestRecord(
+            request_id=req.request_id, utt_id=str(getattr(req.row, "utt_id", "")),
+            admitted=tl.admitted - loop.t_start,
+            finished=None if tl.finished is None else tl.finished - loop.t_start, error=tl.error,
+            chunks=[(t - loop.t_start, n) for t, n in tl.chunks], ttfp_s=m["ttfp_s"], e2el_s=m["e2el_s"],
+            audio_duration_s=m["audio_duration_s"], rtf=m["rtf"], underrun_s=m["underrun_s"]))
+    return BenchResult(
+        concurrency=concurrency, num_warmups=num_warmups, wall_s=wall,
+        metrics=aggregate([loop.timelines[r.request_id] for r in requests], wall), records=records,
+        max_in_flight=loop.max_in_flight,
+        stage_busy_s={k: float(busy1.get(k, 0.0)) - float(busy0.get(k, 0.0)) for k in busy1},
+        gpu_memory=gpu.result(), warmup_failed=warm_failed)
+
+
+def write_result(result: BenchResult, result_dir: str | Path, meta: dict[str, Any], tag: str) -> Path:
+    out = Path(result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out / f"cosybatch-{tag}-c{result.concurrency}-{stamp}.json"
+    doc = result.to_json({"date": stamp, **meta})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _num(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def result_table(result: BenchResult, title: str):
+    from rich.table import Table
+
+    m = result.metrics
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("concurrency (max in flight seen)", f"{result.concurrency} ({result.max_in_flight})"),
+        ("completed / failed", f"{m['completed']} / {m['failed']}"),
+        ("wall time (s)", _num(m["duration"])),
+        ("audio produced (s)", _num(m["total_audio_duration_s"])),
+        ("audio throughput (audio-s/s)", _num(m["audio_throughput"])),
+        ("request throughput (req/s)", _num(m["request_throughput"])),
+    ]
+    for name, label in (("ttfp_ms", "first PCM (ms)"), ("e2el_ms", "end-to-end (ms)"), ("rtf", "RTF"),
+                        ("underrun_ms", "underrun (ms)"), ("audio_duration_s", "audio per request (s)")):
+        fmt = "{:.3f}" if name == "rtf" else "{:.1f}"
+        rows.append((f"{label} mean / p50 / p90 / p99", " / ".join(
+            _num(m[f"{k}_{name}"], fmt) for k in ("mean", "median", "p90", "p99"))))
+    rows.append(("requests with an underrun", str(m["underrun_requests"])))
+    for k, v in result.stage_busy_s.items():
+        rows.append((f"busy: {k} (s, share of wall)", f"{v:.2f} ({v / result.wall_s:.0%})"))
+    if result.gpu_memory:
+        g = result.gpu_memory
+        rows.append(("GPU memory peak: allocated / reserved / device (GiB)",
+                     f"{g['max_allocated_gib']:.1f} / {g['max_reserved_gib']:.1f} / {g['device_max_used_gib']:.1f}"))
+    for label, value in rows:
+        t.add_row(label, value)
+    return t
+
+
+
+
+# --- the `cosybatch profile` command ---------------------------------------------------------
+
+import click  # noqa: E402
+
+DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+DEFAULT_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _select_rows(rows: list, num_prompts: int | None, seed: int) -> list:
+    """All rows in order; fewer: a seeded sample; more: the rows cycled."""
+    import random
+
+    if num_prompts is None or num_prompts == len(rows):
+        return list(rows)
+    if num_prompts < len(rows):
+        return random.Random(seed).sample(rows, num_prompts)
+    return [rows[i % len(rows)] for i in range(num_prompts)]
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    import importlib
+
+    mod, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(mod), attr or "build_streaming_pipeline")
+
+
+def _fail(msg: str, code: int = EXIT_USAGE) -> None:
+    log.error("%s", msg)
+    raise SystemExit(code)
+
+
+@click.command("profile")
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Checkpoint directory or HF repo id.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests in flight (closed loop).")
+@click.option("--profile", "profile_spec", default="default", show_default=True, help="Profile name or YAML path.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a profile key (repeatable).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
+              help="Measured requests (default: every manifest row).")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Warm-up requests run (and drained) before measuring.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Picks the rows when --num-prompts is smaller than the manifest (sampling.seed is a profile key).")
+@click.option("--force-length", is_flag=True, help="Generate a fixed token count per row, derived from its text.")
+@click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write a JSON result file here.")
+@click.option("--workload-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the generated EN1088-shaped workload lives (when no MANIFEST is given).")
+@click.option("--verbose", "-v", is_flag=True)
+@click.option("--pipeline", "factory", default=DEFAULT_FACTORY, hidden=True)
+def profile_command(manifest: Path | None, model: str, device: str, concurrency: int, profile_spec: str,
+                    overrides: tuple[str, ...], num_prompts: int | None, num_warmups: int, seed: int,
+                    force_length: bool, result_dir: Path | None, workload_dir: Path | None, verbose: bool,
+                    factory: str) -> None:
+    """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
+    from rich.console import Console
+
+    from cosybatch.manifest import ManifestError, read_manifest
+    from cosybatch.profiles import ProfileError, load_profile
+    from cosybatch.progress import setup_logging
+    from cosybatch import workload
+
+    setup_logging(verbose, quiet=False)
+    try:
+        profile = load_profile(profile_spec, list(overrides))
+    except ProfileError as e:
+        _fail(f"profile: {e}")
+    if manifest is None:
+        where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
+        manifest = workload.ensure(where, workload.default_sources())
+    try:
+        man = read_manifest(manifest)
+    except ManifestError as e:
+        _fail(str(e))
+    for p in man.problems:
+        log.warning("%s (row skipped)", p)
+    if not man.rows:
+        _fail(f"{manifest}: no usable rows")
+    rows = _select_rows(man.rows, num_prompts, seed)
+    try:
+        pipeline = _load_factory(factory)(model, device, profile)
+    except Exception as e:  # setup failures (missing checkpoint, unimplemented option) are usage errors
+        log.debug("pipeline setup failed", exc_info=True)
+        _fail(f"cannot set up the pipeline for {model!r} with profile {profile.name!r}: {e}")
+    stream = profile.mode == "streaming"
+    rate = float(pipeline.token_frame_rate)
+    requests = [SynthRequest(f"{i}-{row.utt_id}", row, stream,
+                             workload.force_tokens(row.target_text, rate) if force_length else None)
+                for i, row in enumerate(rows)]
+    log.info("profile %s, %d request(s) at concurrency %d, %d warm-up(s)", profile.name, len(requests),
+             concurrency, num_warmups)
+    try:
+        result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
+    except BenchError as e:
+        _fail(f"benchmark aborted: {e}", EXIT_FAILED)
+    title = f"cosybatch profile: {profile.name}, C={concurrency}, {'streaming' if stream else 'full'}"
+    Console().print(result_table(result, title))
+    if result_dir is not None:
+        meta = {"model_id": model, "device": device, "profile": profile.to_dict(), "manifest": str(manifest),
+                "force_length": force_length, "seed": seed, "environment": _environment()}
+        path = write_result(result, result_dir, meta, profile.name)
+        log.info("result written to %s", path)
+    raise SystemExit(EXIT_FAILED if result.metrics["failed"] else EXIT_OK)
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+    import subprocess
+
+    import cosybatch
+
+    env: dict[str, Any] = {"cosybatch": cosybatch.__version__, "python": platform.python_version()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                       cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env

@@ -1,0 +1,171 @@
+"""The in-process AR engine: add requests, step, stream tokens out.
+
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64))
+    rid = engine.add_request(text_ids, prompt_text_ids, prompt_speech, SamplingParams.ras(cfg, seed=7),
+                             on_tokens=callback)
+    while engine.has_unfinished():
+        engine.step()
+
+``on_tokens(request_id, tokens, finished)`` receives the flow-bound stream (silent-filtered) as it
+grows; ``Sequence.tokens`` keeps the raw ids the LM conditioned on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cosybatch.engine.config import EngineConfig
+from cosybatch.engine.kv_cache import BlockAllocator
+from cosybatch.engine.model_runner import ModelRunner
+from cosybatch.engine.request import (RequestOutput, SamplingParams, Sequence, SeqStatus, TokenCallback,
+                                      as_int_list, length_limits)
+from cosybatch.engine.scheduler import Scheduler
+from cosybatch.models.speech_lm import CosyVoice3LM
+
+
+@dataclass
+class EngineStats:
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    batch_hist: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, lm: CosyVoice3LM, config: EngineConfig | None = None):
+        self.cfg = config or EngineConfig()
+        self.lm = lm.eval()
+        self.llm_cfg = lm.cfg
+        self.runner = ModelRunner(self.lm, self.cfg)
+        self.scheduler = Scheduler(self.cfg.max_num_seqs, BlockAllocator(self.runner.num_blocks),
+                                   self.cfg.kv_block_size, self.cfg.max_prefill_tokens)
+        self.stop_start = self.llm_cfg.speech_token_size
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, text_ids, prompt_text_ids, prompt_speech_tokens,
+                    params: SamplingParams | None = None, request_id: str | None = None,
+                    on_tokens: TokenCallback | None = None) -> str:
+        """text_ids: target text tokens of one segment; prompt_text_ids: the prompt transcript
+        (with the system prefix); prompt_speech_tokens: the prompt's speech tokens."""
+        params = params or SamplingParams.ras(self.llm_cfg.sampling)
+        text = as_int_list(text_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs and self.seqs[rid].status != SeqStatus.FINISHED:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        min_len, max_len = length_limits(len(text), params, self.cfg.min_token_text_ratio,
+                                         self.cfg.max_token_text_ratio)
+        seq = Sequence(rid, as_int_list(prompt_text_ids) + text, as_int_list(prompt_speech_tokens),
+                       params, min_len, max_len, on_tokens)
+        if seq.max_total_len > self.cfg.max_model_len:
+            raise ValueError(f"request {rid}: prompt {seq.prompt_len} + max_len {max_len} tokens exceed "
+                             f"max_model_len={self.cfg.max_model_len}")
+        if not self.scheduler.fits_ever(seq):
+            raise ValueError(f"request {rid}: needs more KV blocks than the cache has")
+        self.seqs[rid] = seq
+        if max_len <= 0:  # the official loop runs zero steps
+            self._finish(seq, "length", register=False)
+            return rid
+        self.scheduler.add(seq)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def result(self, request_id: str) -> list[int]:
+        return list(self.seqs[request_id].tokens)
+
+    def pop_result(self, request_id: str) -> Sequence:
+        seq = self.seqs[request_id]
+        if seq.status != SeqStatus.FINISHED:
+            raise ValueError(f"request {request_id!r} has not finished")
+        return self.seqs.pop(request_id)
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        t0 = time.perf_counter()
+        if plan.kind == "prefill":
+            toks = self.runner.prefill(plan.seqs)
+            st = self.stats
+            st.prefill_steps += 1
+            st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
+            st.prefill_s += time.perf_counter() - t0
+        else:
+            toks = self.runner.decode(plan.seqs)
+            st = self.stats
+            st.decode_steps += 1
+            st.decode_tokens += len(toks)
+            st.decode_s += time.perf_counter() - t0
+            st.batch_hist[len(toks)] = st.batch_hist.get(len(toks), 0) + 1
+        outputs = []
+        for seq, tok in zip(plan.seqs, toks):
+            outputs.append(self._advance(seq, tok))
+        return outputs
+
+    def _advance(self, seq: Sequence, tok: int) -> RequestOutput:
+        new_flow: list[int] = []
+        new_raw: list[int] = []
+        reason = None
+        if tok >= self.stop_start:
+            reason = "stop"
+        else:
+            new_raw.append(tok)
+            kept = seq.accept(tok)
+            if kept is not None:
+                new_flow.append(kept)
+            if seq.n_gen >= seq.max_len:
+                reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, register=True, announce=False)
+        if seq.on_tokens is not None and (new_flow or reason is not None):
+            seq.on_tokens(seq.request_id, new_flow, reason is not None)
+        return RequestOutput(seq.request_id, new_flow, new_raw, reason is not None, reason)
+
+    def _finish(self, seq: Sequence, reason: str, register: bool, announce: bool = True) -> None:
+        seq.finish_reason = reason
+        if register:
+            row = seq.row
+            moved = self.scheduler.finish(seq)
+            if moved is None:
+                self.runner.unbind(row)
+            else:
+                src, dst = moved
+                self.runner.move(src, dst)
+                self.runner.unbind(src)
+        seq.status = SeqStatus.FINISHED
+        if announce and seq.on_tokens is not None:
+            seq.on_tokens(seq.request_id, [], True)
+
+    def run(self) -> dict[str, list[int]]:
+        """Step until every request has finished; raw tokens of the requests finished meanwhile."""
+        done: dict[str, list[int]] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = self.seqs[out.request_id].tokens
+        return done
+
+    def generate(self, requests: list[dict]) -> list[list[int]]:
+        """Convenience: each dict holds add_request's keyword arguments; returns raw tokens in
+        request order."""
+        ids = [self.add_request(**r) for r in requests]
+        self.run()
+        return [self.seqs[i].tokens for i in ids]
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device

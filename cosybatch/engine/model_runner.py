@@ -1,0 +1,199 @@
+"""Runs the LM for the engine: prefill of admitted sequences, one decode step for the running
+rows, sampling and per-row device state, and CUDA-graph capture/replay of the decode step.
+
+Decode rows are compact (the scheduler keeps running sequences in rows 0..n-1); a step runs the
+smallest captured bucket >= n, and padding rows point at the scratch KV block with ``active``
+false so their results are ignored and their state never advances. A step's only host sync is
+reading the sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cosybatch.engine.config import EngineConfig
+from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
+from cosybatch.engine.request import Sequence
+from cosybatch.engine.sampler import SamplerState, padded_vocab
+from cosybatch.models.speech_lm import CosyVoice3LM
+
+log = logging.getLogger(__name__)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class RowState:
+    """Device tensors indexed by decode row."""
+
+    def __init__(self, num_rows: int, max_blocks: int, device: torch.device):
+        z = dict(dtype=torch.long, device=device)
+        self.tok = torch.zeros(num_rows, **z)  # last sampled id (the next step's input)
+        self.pos = torch.zeros(num_rows, **z)  # position of that input
+        self.n_gen = torch.zeros(num_rows, **z)  # tokens generated so far
+        self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.block_tables = torch.zeros(num_rows, max_blocks, dtype=torch.int32, device=device)
+        self.out = torch.zeros(num_rows, **z)  # ids drawn by the last decode step
+
+    def tensors(self):
+        return (self.tok, self.pos, self.n_gen, self.active, self.block_tables, self.out)
+
+
+class ModelRunner:
+    def __init__(self, lm: CosyVoice3LM, cfg: EngineConfig):
+        self.cfg = cfg
+        self.lm = lm
+        self.device = lm.speech_embedding.weight.device
+        q = lm.cfg.qwen
+        executor = cfg.executor
+        if executor == "auto":
+            executor = "triton" if self.device.type == "cuda" and triton_available() else "torch"
+        self.dtype = lm.speech_embedding.weight.dtype if executor == "torch" else cfg.torch_dtype(self.device)
+        self.num_blocks = plan_num_blocks(cfg, q.num_hidden_layers, q.num_key_value_heads, q.head_dim, self.dtype)
+        self.cache = PagedKVCache(q.num_hidden_layers, self.num_blocks, cfg.kv_block_size,
+                                  q.num_key_value_heads, q.head_dim, self.dtype, self.device)
+        self.vocab_padded = padded_vocab(lm.cfg.speech_vocab)
+        self.num_rows = cfg.max_num_seqs
+        self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
+        self.rows = RowState(self.num_rows, self.max_blocks, self.device)
+        self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
+                                    lm.cfg.sos, cfg.max_model_len, self.device)
+        if executor == "torch":
+            from cosybatch.engine.torch_executor import TorchExecutor
+
+            self.executor = TorchExecutor(lm, self.cache, self.vocab_padded)
+        else:
+            from cosybatch.engine.triton_executor import TritonExecutor
+
+            self.executor = TritonExecutor(lm, self.cache, self.rows, self.vocab_padded, self.dtype,
+                                           cfg.linear)
+        # rows are sampled one at a time off-GPU: CPU kernels split work by tensor size, so a
+        # batched elementwise op could round a row differently from the same row alone
+        self._rowwise = self.device.type != "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable:
+            self.capture_graphs()
+
+    # ---------------------------------------------------------------- rows
+
+    def bind(self, seq: Sequence, row: int) -> None:
+        r = self.rows
+        table = torch.zeros(self.max_blocks, dtype=torch.int32)
+        table[: len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        r.block_tables[row].copy_(table)
+        r.tok[row] = 0
+        r.pos[row] = 0
+        r.n_gen[row] = 0
+        r.active[row] = True
+        self.sampler.bind(row, seq.params, seq.min_len)
+
+    def unbind(self, row: int) -> None:
+        r = self.rows
+        r.active[row] = False
+        r.block_tables[row].zero_()
+        r.tok[row] = 0
+        r.pos[row] = 0
+        r.n_gen[row] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        for t in self.rows.tensors():
+            t[dst] = t[src]
+        self.sampler.move(src, dst)
+
+    # ---------------------------------------------------------------- steps
+
+    def _sample_record(self, logits: torch.Tensor, rows, n_gen: torch.Tensor) -> torch.Tensor:
+        if not self._rowwise:
+            toks = self.sampler.sample(logits, rows, n_gen)
+            self.sampler.record(rows, n_gen, toks)
+            return toks
+        idx = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
+        out = []
+        for j, r in enumerate(idx):
+            one = slice(r, r + 1)
+            t = self.sampler.sample(logits[j: j + 1], one, n_gen[j: j + 1])
+            self.sampler.record(one, n_gen[j: j + 1], t)
+            out.append(t)
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        for s in seqs:
+            self.bind(s, s.row)
+        logits = self.executor.prefill(seqs)
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=self.device)
+        zeros = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        toks = self._sample_record(logits, rows, zeros)
+        r = self.rows
+        r.tok[rows] = toks
+        r.pos[rows] = torch.tensor([s.prompt_len for s in seqs], device=self.device)
+        r.n_gen[rows] = 1
+        return toks.tolist()
+
+    def _decode_step(self, b: int, seqs: list[Sequence] | None) -> None:
+        r = self.rows
+        logits = self.executor.decode(b, seqs)
+        n_gen = r.n_gen[:b]
+        toks = self._sample_record(logits, slice(0, b), n_gen)
+        act = r.active[:b]
+        r.tok[:b].copy_(torch.where(act, toks, r.tok[:b]))
+        r.pos[:b] += act
+        r.n_gen[:b] += act
+        r.out[:b].copy_(toks)
+
+    def bucket(self, n: int) -> int:
+        for b in self.cfg.buckets():
+            if b >= n:
+                return b
+        raise ValueError(f"{n} rows exceed max_num_seqs={self.cfg.max_num_seqs}")
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token for each running sequence (seqs[i] sits in row i)."""
+        n = len(seqs)
+        if self.executor.graphable:
+            b = self.bucket(n)
+            g = self.graphs.get(b)
+            if g is not None:
+                g.replay()
+            else:
+                self._decode_step(b, None)
+        else:
+            self._decode_step(n, seqs)
+        return self.rows.out[:n].tolist()
+
+    # ---------------------------------------------------------------- CUDA graphs
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture every bucket, largest first so smaller ones reuse its memory pool. Rows are all
+        inactive during capture, so warm-up and capture leave no state behind."""
+        self.executor.warmup(self.cfg.buckets())
+        for b in sorted(self.cfg.buckets(), reverse=True):
+            try:
+                self._decode_step(b, None)  # compile/warm this shape outside the capture
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.graph_pool):
+                    self._decode_step(b, None)
+                if self.graph_pool is None:
+                    self.graph_pool = g.pool()
+                self.graphs[b] = g
+            except Exception as e:  # fall back to eager for this bucket, loudly
+                log.warning("CUDA graph capture failed for decode bucket %d (%s); running it eager", b, e)
+        torch.cuda.synchronize(self.device)
+        self.reset_rows()
+
+    def reset_rows(self) -> None:
+        for row in range(self.num_rows):
+            self.unbind(row)
+        self.sampler.history.zero_()
+        self.sampler.seen.zero_()

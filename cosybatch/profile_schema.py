@@ -1,0 +1,302 @@
+"""The profile schema: a frozen dataclass tree, strict value typing, and the rules that tie keys
+together. Loading, inheritance and overrides live in :mod:`cosybatch.profiles`.
+
+The defaults here are the exact path; a profile opts into every speed-up by name. Where one
+setting needs another, :func:`cross_check` rejects the profile and says which and why: nothing
+is silently overridden (anchor review finding 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bfloat16 on CUDA, float32 on CPU
+
+
+class ProfileError(ValueError):
+    """A profile cannot be used; the message names the key and the file (or --set)."""
+
+
+@dataclass(frozen=True)
+class ARProfile:
+    """The speech-LM engine (field names match ``cosybatch.engine.config.EngineConfig``)."""
+
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    kv_block_size: int = 64
+    kv_cache_gb: float | None = None  # None: enough for max_num_seqs rows of max_model_len
+    max_prefill_tokens: int = 16384
+    dtype: Dtype = "float32"
+    executor: Literal["auto", "torch", "triton"] = "auto"
+    linear: Literal["triton", "torch"] = "triton"
+    cuda_graphs: bool = False
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class CodecProfile:
+    max_num_seqs: int = 16
+    flow_dtype: Dtype = "float32"
+    hift_dtype: Dtype = "float32"
+    attention: Literal["auto", "sdpa", "varlen", "flash"] = "auto"
+
+
+@dataclass(frozen=True)
+class HopsProfile:
+    """Streaming hop schedule in speech tokens (see ``cosybatch.codec.hops``)."""
+
+    first: int | None = None  # None: the checkpoint's chunk_size
+    max: int | None = None  # None: 4 x first (the official 25 -> 100)
+    scale: int = 2
+
+
+@dataclass(frozen=True)
+class Optimizations:
+    cached_istft: bool = False
+    hift_graphs: bool = False
+    hift_graph_capacity: int = 32
+    hift_graph_counters: int = 128
+    hift_graph_capture_after: int = 3
+    flow_graphs: bool = False
+    flow_compile: bool = False
+    prefix_reuse: bool = False
+    prefix_budget_gb: float = 8.0
+    # Opt-in and NOT exact: the official final hop uses full attention (spec decision 4).
+    chunk_causal_final: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingProfile:
+    """``checkpoint``: RAS with the checkpoint yaml's values; ``ras``: RAS with the values set
+    here (unset ones from the yaml); ``standard``: temperature, top-k, top-p, repetition
+    penalty. A parameter the mode does not use must stay unset (null)."""
+
+    mode: Literal["ras", "standard", "checkpoint"] = "checkpoint"
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    win_size: int | None = None
+    tau_r: float | None = None
+    repetition_penalty: float | None = None
+    seed: int = 0
+    enforce_min_len: bool = False
+    max_tokens: int | None = None  # per text segment, on top of the official 20 x text cap
+
+
+@dataclass(frozen=True)
+class Profile:
+    engine: Literal["reference", "fast"] = "fast"
+    mode: Literal["streaming", "full"] = "full"
+    description: str = ""
+    ar: ARProfile = field(default_factory=ARProfile)
+    codec: CodecProfile = field(default_factory=CodecProfile)
+    hops: HopsProfile = field(default_factory=HopsProfile)
+    optimizations: Optimizations = field(default_factory=Optimizations)
+    sampling: SamplingProfile = field(default_factory=SamplingProfile)
+    # Not YAML keys: what was loaded and from where.
+    name: str = field(default="", metadata={"meta": True})
+    requires: tuple[tuple[str, Any], ...] = field(default=(), metadata={"meta": True})
+    sources: tuple[str, ...] = field(default=(), metadata={"meta": True})
+    origins: tuple[tuple[str, str], ...] = field(default=(), metadata={"meta": True}, compare=False, repr=False)
+
+    def get(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def origin(self, dotted: str) -> str:
+        """Where a key's value came from: a file, ``--set k=v``, or ``default``."""
+        return dict(self.origins).get(dotted, "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in META}
+        d.update(name=self.name, requires=dict(self.requires), sources=list(self.sources))
+        return d
+
+
+META = {f.name for f in dataclasses.fields(Profile) if f.metadata.get("meta")}
+NOT_SETTABLE = {"inherits", "requires"}
+
+
+def _schema_leaves(cls: type, prefix: str = "") -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("meta"):
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_schema_leaves(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = tp
+    return out
+
+
+LEAVES: dict[str, Any] = _schema_leaves(Profile)
+GROUPS = {k.split(".")[0] for k in LEAVES if "." in k}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def got(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+_NO = object()
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """The value as type ``tp``, or ``_NO``. bool is never an int and an int is a fine float."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value if isinstance(value, str) and value in typing.get_args(tp) else _NO
+    if origin in (typing.Union, types.UnionType):
+        for a in typing.get_args(tp):
+            if a is type(None):
+                if value is None:
+                    return None
+            elif (v := _coerce(value, a)) is not _NO:
+                return v
+        return _NO
+    if origin is tuple:
+        if not isinstance(value, list):
+            return _NO
+        items = [_coerce(v, typing.get_args(tp)[0]) for v in value]
+        return _NO if any(v is _NO for v in items) else tuple(items)
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _NO
+    if tp is str:
+        return value if isinstance(value, str) else _NO
+    raise TypeError(f"unsupported schema type {tp!r}")
+
+
+def check_value(key: str, value: Any, src: str) -> Any:
+    v = _coerce(value, LEAVES[key])
+    if v is _NO:
+        raise ProfileError(f"{src}: {key}: expected {_type_name(LEAVES[key])}, got {got(value)}")
+    return v
+
+
+def unknown_key(key: str, src: str) -> ProfileError:
+    known = sorted(LEAVES) + sorted(GROUPS)
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ProfileError(f"{src}: unknown key {key!r}{hint}")
+
+
+def flatten(doc: dict, src: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        key = f"{prefix}{k}"
+        if not isinstance(k, str):
+            raise ProfileError(f"{src}: key {key!r} is not a string")
+        if key in GROUPS:
+            if not isinstance(v, dict):
+                raise ProfileError(f"{src}: {key}: expected a mapping, got {got(v)}")
+            out.update(flatten(v, src, key + "."))
+        elif key in LEAVES:
+            out[key] = check_value(key, v, src)
+        else:
+            raise unknown_key(key, src)
+    return out
+
+
+# --- value ranges and cross-key rules --------------------------------------------------------
+
+RANGES: dict[str, tuple[Any, str]] = {
+    "ar.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
+    "ar.max_model_len": (lambda v: v >= 2, "must be >= 2"),
+    "ar.kv_block_size": (lambda v: v >= 1, "must be >= 1"),
+    "ar.kv_cache_gb": (lambda v: v is None or v > 0, "must be > 0"),
+    "ar.max_prefill_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "ar.graph_batch_sizes": (lambda v: len(v) > 0 and all(b >= 1 for b in v), "must be a non-empty list of sizes >= 1"),
+    "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
+    "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "hops.scale": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.hift_graph_counters": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.hift_graph_capture_after": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.prefix_budget_gb": (lambda v: v >= 0, "must be >= 0"),
+    "sampling.temperature": (lambda v: v is None or v > 0, "must be > 0"),
+    "sampling.top_p": (lambda v: v is None or 0 < v <= 1, "must be in (0, 1]"),
+    "sampling.top_k": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "sampling.win_size": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "sampling.tau_r": (lambda v: v is None or v >= 0, "must be >= 0"),
+    "sampling.repetition_penalty": (lambda v: v is None or v > 0, "must be > 0"),
+    "sampling.seed": (lambda v: 0 <= v < 2**63, "must be in [0, 2**63)"),
+    "sampling.max_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
+}
+
+# Parameters each sampling mode reads; any other one that is set would be silently ignored.
+_SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "win_size", "tau_r", "repetition_penalty")
+_USES = {
+    "checkpoint": set(),
+    "ras": {"top_p", "top_k", "win_size", "tau_r"},
+    "standard": {"temperature", "top_p", "top_k", "repetition_penalty"},
+}
+DEFAULTS = Profile()
+# engine=reference runs the exact one-request path and reads none of these.
+_FAST_ONLY = tuple(k for k in LEAVES if k.split(".")[0] in ("ar", "codec", "optimizations"))
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else str(v)
+
+
+def cross_check(p: Profile, who: str) -> None:
+    def at(key: str) -> str:
+        return f"{key}={fmt(p.get(key))} (from {p.origin(key)})"
+
+    if p.engine == "reference":
+        changed = [k for k in _FAST_ONLY if p.get(k) != DEFAULTS.get(k)]
+        if changed:
+            raise ProfileError(f"{who}: engine=reference runs the exact one-request path and does not use "
+                               f"{', '.join(at(k) for k in changed)}; unset it or use engine=fast")
+    o = p.optimizations
+    if o.hift_graphs and not o.cached_istft:
+        raise ProfileError(f"{who}: {at('optimizations.hift_graphs')} requires optimizations.cached_istft=true "
+                           "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")
+    if o.hift_graph_counters < o.hift_graph_capacity:
+        raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
+                           f"{at('optimizations.hift_graph_capacity')} (every graphed shape keeps a counter)")
+    for key in ("optimizations.chunk_causal_final", "optimizations.prefix_reuse"):
+        if p.get(key) and p.mode != "streaming":
+            raise ProfileError(f"{who}: {at(key)} applies only to mode=streaming, got {at('mode')}")
+    h = p.hops
+    if h.first is not None and h.max is not None and h.max < h.first:
+        raise ProfileError(f"{who}: {at('hops.max')} must be >= {at('hops.first')}")
+    s = p.sampling
+    for name in _SAMPLING_PARAMS:
+        if getattr(s, name) is not None and name not in _USES[s.mode]:
+            key = f"sampling.{name}"
+            raise ProfileError(f"{who}: {at(key)} is not used by {at('sampling.mode')}; "
+                               f"set it to null or pick a mode that uses it")
+
+
+def check_requires(p: Profile, who: str) -> None:
+    for key, want in p.requires:
+        got = p.get(key)
+        if got != want:
+            raise ProfileError(f"{who} requires {key}={fmt(want)}, got {key}={fmt(got)} (from {p.origin(key)})")
