@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import click
+
 from cosybatch.metrics import Timeline, aggregate, request_metrics
 from cosybatch.requests import StreamingPipeline, SynthRequest
 
@@ -72,18 +74,21 @@ class BenchResult:
 
 
 class _GpuMemory:
-    """Peak allocator and device-level memory over the measured run (None without CUDA)."""
+    """Peak allocator and device-level memory over the measured run (None off CUDA)."""
 
     MIN_INTERVAL_S = 0.2  # cudaMemGetInfo is cheap, but not free inside a tight step loop
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         self.torch: Any = None
+        self.device: Any = None
         try:
             import torch
 
-            if torch.cuda.is_available():
+            dev = torch.device(device) if device is not None else None
+            if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
                 self.torch = torch
-        except ImportError:
+                self.device = dev if dev is not None and dev.index is not None else torch.cuda.current_device()
+        except (ImportError, RuntimeError, TypeError):
             pass
         self.peak_used = 0
         self.total = 0
@@ -91,7 +96,7 @@ class _GpuMemory:
 
     def start(self) -> None:
         if self.torch is not None:
-            self.torch.cuda.reset_peak_memory_stats()
+            self.torch.cuda.reset_peak_memory_stats(self.device)
             self.sample(force=True)
 
     def sample(self, force: bool = False) -> None:
@@ -99,7 +104,7 @@ class _GpuMemory:
             return
         now = time.perf_counter()
         if force or now - self.last >= self.MIN_INTERVAL_S:
-            free, self.total = self.torch.cuda.mem_get_info()
+            free, self.total = self.torch.cuda.mem_get_info(self.device)
             self.peak_used = max(self.peak_used, self.total - free)
             self.last = now
 
@@ -107,10 +112,10 @@ class _GpuMemory:
         if self.torch is None:
             return None
         self.sample(force=True)
-        cuda = self.torch.cuda
+        cuda, d = self.torch.cuda, self.device
         gib = 1024**3
-        return {"device": cuda.get_device_name(), "max_allocated_gib": cuda.max_memory_allocated() / gib,
-                "max_reserved_gib": cuda.max_memory_reserved() / gib,
+        return {"device": cuda.get_device_name(d), "max_allocated_gib": cuda.max_memory_allocated(d) / gib,
+                "max_reserved_gib": cuda.max_memory_reserved(d) / gib,
                 "device_max_used_gib": self.peak_used / gib, "device_total_gib": self.total / gib}
 
 
@@ -180,7 +185,7 @@ def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest
         warm_failed = sum(1 for tl in warm.timelines.values() if not tl.ok)
         if warm_failed:
             log.warning("%d of %d warm-up request(s) failed", warm_failed, num_warmups)
-    gpu = _GpuMemory()
+    gpu = _GpuMemory(getattr(pipeline, "device", None))  # the pipeline's device, if it says
     gpu.start()
     busy0 = dict(pipeline.stage_busy())
     loop = _drive(pipeline, requests, concurrency, clock, on_step=gpu.sample)
@@ -256,11 +261,9 @@ def result_table(result: BenchResult, title: str):
 
 # --- the `cosybatch profile` command ---------------------------------------------------------
 
-import click  # noqa: E402
-
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
 DEFAULT_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _select_rows(rows: list, num_prompts: int | None, seed: int) -> list:
@@ -352,6 +355,8 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
         result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
     except BenchError as e:
         _fail(f"benchmark aborted: {e}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
     title = f"cosybatch profile: {profile.name}, C={concurrency}, {'streaming' if stream else 'full'}"
     Console().print(result_table(result, title))
     if result_dir is not None:

@@ -25,7 +25,8 @@ from . import __version__
 from .manifest import Manifest, ManifestError, read_manifest
 from .progress import setup_logging
 from .runner import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunError, run_synth
-from .sharding import ALL, Shard, ShardError, parse_shard, select, shard_from_env
+from .sharding import Shard, ShardError, parse_shard, select, shard_from_env
+from .writer import WAV_SUBTYPES
 
 log = logging.getLogger("cosybatch.cli")
 
@@ -97,6 +98,13 @@ def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str
     raise click.BadParameter("expected cpu, cuda, cuda:N or auto")
 
 
+def _check_subtype(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    v = value.strip().upper()
+    if v in WAV_SUBTYPES:
+        return v
+    raise click.BadParameter(f"{value!r}: expected one of {', '.join(WAV_SUBTYPES)}")
+
+
 def _check_overrides(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
     for item in value:
         key, eq, _ = item.partition("=")
@@ -119,8 +127,8 @@ def cli() -> None:
               help="Output folder: <utt_id>.wav, ledger.jsonl, timing.json.")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Streaming (chunked) synthesis.")
 @click.option("--device", default="auto", show_default=True, callback=_check_device, help="cpu, cuda, cuda:N or auto.")
-@click.option("--wav-subtype", type=click.Choice(["PCM_16", "FLOAT"], case_sensitive=False),
-              default="PCM_16", show_default=True)
+@click.option("--wav-subtype", default="PCM_16", show_default=True, metavar="[PCM_16|FLOAT]",
+              callback=_check_subtype, help="16-bit integer or 32-bit float samples.")
 @click.option("--profile", default=None, help="Profile name or YAML path.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", callback=_check_overrides,
               help="Override a profile setting (repeatable).")
@@ -135,7 +143,12 @@ def cli() -> None:
 def synth(manifest: Path, model: str, out_dir: Path, stream: bool, device: str, wav_subtype: str,
           profile: str | None, overrides: list[str], strict: bool, overwrite: bool,
           shard_spec: str | None, quiet: bool, verbose: bool, factory: str) -> None:
-    """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT."""
+    """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT.
+
+    Writes OUT/<utt_id>.wav, OUT/ledger.jsonl and OUT/timing.json. Re-running the same
+    command resumes. Exit codes: 0 all rows fine, 1 some rows failed or were invalid,
+    2 usage or configuration error, 130 interrupted.
+    """
     setup_logging(verbose, quiet)
     shard = _resolve_shard(shard_spec)
     man = _load_manifest(manifest)
@@ -143,12 +156,12 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool, device: str, 
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
     build = _load_factory(factory)
     try:
-        synthesizer = build(model, _device_for(device), profile, overrides)
+        synthesizer = build(model, _device_for(device), profile, overrides, stream=stream)
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
     try:
-        report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype.upper(),
+        report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype,
                            overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
     except RunError as e:
         _fail(str(e))
@@ -181,8 +194,9 @@ def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: s
             log.debug("model check failed", exc_info=True)
             _fail(f"model {model!r}: {e}")
         click.echo("\n".join(lines))
-    click.echo("\n".join(describe_plan(man, select(man.rows, shard) if shard != ALL else man.rows,
-                                       shard, out_dir)))
+    else:
+        click.echo("model: not checked (pass --model DIR_OR_REPO)")
+    click.echo("\n".join(describe_plan(man, select(man.rows, shard), shard, out_dir)))
     sys.exit(code)
 
 
@@ -224,6 +238,15 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
 
     path = generate_checkpoint(out, size=size, seed=seed, chunk_size=chunk_size)
     click.echo(str(path))
+
+
+def _register_profile() -> None:
+    from .bench import profile_command
+
+    cli.add_command(profile_command, name="profile")
+
+
+_register_profile()
 
 
 def main(argv: list[str] | None = None) -> None:

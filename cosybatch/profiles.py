@@ -26,7 +26,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from cosybatch.config import SamplingConfig
-from cosybatch.profile_schema import (DEFAULTS, LEAVES, NOT_SETTABLE, RANGES, ARProfile, CodecProfile,
+from cosybatch.profile_schema import (DEFAULTS, GROUPS, LEAVES, NOT_SETTABLE, RANGES, ARProfile, CodecProfile,
                                       HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile,
                                       check_requires, check_value, cross_check, flatten, fmt, got, unknown_key)
 
@@ -106,7 +106,7 @@ def _read_file(path: Path, stack: tuple[Path, ...]) -> _Layers:
     layers.origins.update({k: src for k in own})
     for key, want in requires.items():
         if not isinstance(key, str) or key not in LEAVES:
-            raise unknown_key(f"requires.{key}", src)
+            raise unknown_key(str(key), f"{src}: requires")
         if want is None:
             layers.requires.pop(key, None)
         else:
@@ -122,8 +122,12 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not eq or not key:
         raise ProfileError(f"{src}: expected KEY=VALUE")
-    if key in NOT_SETTABLE:
-        raise ProfileError(f"{src}: {key} cannot be overridden; write a profile file that inherits instead")
+    if key.split(".")[0] in NOT_SETTABLE:
+        raise ProfileError(f"{src}: {key.split('.')[0]} cannot be overridden; "
+                           "write a profile file that inherits instead")
+    if key in GROUPS:
+        keys = ", ".join(k for k in LEAVES if k.startswith(key + "."))
+        raise ProfileError(f"{src}: {key} is a group; set one of its keys: {keys}")
     if key not in LEAVES:
         raise unknown_key(key, src)
     try:
@@ -226,17 +230,17 @@ def effective_sampling(s: SamplingProfile, checkpoint: SamplingConfig) -> Effect
                              1.0, **common)
 
 
+OFFICIAL_FIRST_HOP, OFFICIAL_MAX_HOP = 25, 100  # CosyVoice3Model hard-codes these, whatever chunk_size is
+
+
 def effective_hops(h: HopsProfile, chunk_size: int) -> tuple[int, int, int]:
-    """(first, max, scale) in tokens. Unset values come from the checkpoint (logged); a first
-    hop off the attention-chunk grid would break parity with the full-sequence flow."""
-    first = h.first if h.first is not None else chunk_size
-    mx = h.max if h.max is not None else 4 * first
-    if h.first is None or h.max is None:
-        log.info("hops: first=%d, max=%d (from the checkpoint's chunk_size %d)", first, mx, chunk_size)
-    for key, v in (("hops.first", first), ("hops.max", mx)):
-        if v % chunk_size:
-            raise ProfileError(f"{key}={v} is not a multiple of the checkpoint's chunk_size {chunk_size} "
-                               "(chunk ends would leave the attention grid)")
+    """(first, max, scale) in tokens; unset values are the official 25 and 100. The codec stays
+    exact when hops do not line up with the checkpoint's attention chunks (the incomplete chunk
+    is recomputed), so ``chunk_size`` only serves the log line."""
+    first = h.first if h.first is not None else OFFICIAL_FIRST_HOP
+    mx = h.max if h.max is not None else max(OFFICIAL_MAX_HOP, first)
+    if first % chunk_size or mx % chunk_size:
+        log.info("hops %d..%d do not line up with chunk_size %d: partial chunks are recomputed", first, mx, chunk_size)
     if mx < first:
         raise ProfileError(f"hops.max={mx} must be >= hops.first={first}")
     return first, mx, h.scale

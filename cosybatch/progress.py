@@ -64,7 +64,7 @@ class _AudioColumn(ProgressColumn):
         audio = task.fields.get("audio_s", 0.0)
         start = task.fields.get("t0")
         rate = audio / max(time.monotonic() - start, 1e-9) if start is not None else 0.0
-        return Text(f"{audio:8.1f} s audio  {rate:6.2f} audio-s/s", style="cyan")
+        return Text(f"{audio:.1f} s audio, {rate:.2f} audio-s/s", style="cyan")
 
 
 class RunProgress:
@@ -75,7 +75,7 @@ class RunProgress:
         self.enabled = enabled and console.is_terminal
         self.audio_s = 0.0
         self._progress = Progress(
-            TextColumn("[bold]synth"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+            TextColumn("[bold]synth"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("rows"),
             _AudioColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
             console=console, disable=not self.enabled, transient=False)
         self._task = self._progress.add_task("synth", total=total, audio_s=0.0, t0=time.monotonic())

@@ -81,6 +81,7 @@ def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: 
 
 def changed_message(plan: Plan, records: list[dict[str, Any]], fp: dict[str, Any], out_dir: Path) -> str:
     known = {r.get("fp"): r.get("fingerprint") for r in records if r.get("event") == "run_start"}
+    fp = json.loads(json.dumps(fp, default=str))  # compare like with like: the ledger holds JSON
     lines = [f"{out_dir} already holds {len(plan.changed)} row(s) made with different settings;"
              " refusing to mix outputs."]
     for old_sha in sorted(set(plan.changed.values())):

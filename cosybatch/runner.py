@@ -26,8 +26,8 @@ import numpy as np
 from . import __version__
 from .manifest import Manifest, ManifestRow
 from .progress import RunProgress, print_summary, stderr_console
-from .sharding import ALL, Shard, select
 from .resume import Plan, changed_message, fingerprint_sha, input_key, plan_resume
+from .sharding import ALL, Shard, select
 from .writer import WAV_SUBTYPES, Ledger, TimingWriter, read_ledgers, remove_stale_tmp, write_wav_atomic
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,10 @@ def _out_lock(out_dir: Path, tag: str) -> Iterator[None]:
     except ImportError:  # not POSIX: run unguarded
         yield
         return
-    fd = os.open(out_dir / f".cosybatch{tag or '.all'}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(out_dir / f".cosybatch{tag or '.all'}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"cannot write to {out_dir}: {e}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -180,13 +183,13 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
     out = Path(out_dir)
     if wav_subtype not in WAV_SUBTYPES:
         raise RunError(f"--wav-subtype {wav_subtype!r}: expected one of {', '.join(WAV_SUBTYPES)}")
+    if strict and manifest.problems:
+        raise RunError(f"--strict: {len(manifest.problems)} problem(s) in {manifest.path}; nothing was run")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"cannot create output folder {out}: {e}") from None
     ledger_path, timing_path = out / f"ledger{shard.tag}.jsonl", out / f"timing{shard.tag}.json"
-    if strict and manifest.problems:
-        raise RunError(f"--strict: {len(manifest.problems)} problem(s) in {manifest.path}; nothing was run")
     console = console or stderr_console()
     with _out_lock(out, shard.tag):
         stale = remove_stale_tmp(out, shard.tag)
@@ -278,10 +281,19 @@ class _Run:
             self.timing.write(self.timing_doc(False))
             try:
                 with RunProgress(len(todo), enabled=not self.quiet, console=self.console) as bar:
-                    for row in todo:
-                        self._one(row, ledger, intr, bar)
+                    seen: set[str] = set()
+                    wanted = {r.utt_id for r in todo}
+                    for row, outcome, elapsed in self._outcomes(todo):
+                        if row.utt_id not in wanted or row.utt_id in seen:
+                            log.error("synthesizer returned an unexpected or repeated row %r; ignored", row.utt_id)
+                            continue
+                        seen.add(row.utt_id)
+                        self._commit(row, outcome, elapsed, ledger, intr, bar)
                         if self.timing.due():
                             self.timing.write(self.timing_doc(False))
+                    for row in todo:  # a batch engine that lost a row must not lose it silently
+                        if row.utt_id not in seen:
+                            self._failed(row, RuntimeError("the synthesizer returned no result"), ledger, intr, bar)
             except KeyboardInterrupt:
                 self.interrupted = True
                 log.warning("interrupted: finished rows are kept; re-run the same command to resume")
@@ -296,51 +308,75 @@ class _Run:
                 else EXIT_FAILED if self.counts["failed"] or self.counts["invalid"] else EXIT_OK)
         return RunReport(code, totals, self.out, self.ledger_path, self.timing_path, self.failed)
 
-    def _one(self, row: ManifestRow, ledger: Ledger, intr: _Interrupts, bar: RunProgress) -> None:
-        base = {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha,
-                "input": input_key(row)}
-        t0 = time.perf_counter()
+    def _outcomes(self, todo: list[ManifestRow]) -> Iterator[tuple[ManifestRow, Any, float | None]]:
+        """(row, RowResult or the exception it raised, seconds) as rows finish.
+
+        A synthesizer with ``synthesize_batch(rows, stream)`` yielding ``(row, RowResult |
+        Exception)`` in completion order is driven through that; otherwise row by row.
+        """
+        batch = getattr(self.synth, "synthesize_batch", None)
+        if batch is not None:
+            for row, outcome in batch(todo, self.stream):
+                yield row, outcome, None
+            return
+        for row in todo:
+            t0 = time.perf_counter()
+            try:
+                outcome = self.synth.synthesize(row, self.stream)
+            except Exception as e:
+                outcome = e
+            yield row, outcome, time.perf_counter() - t0
+
+    def _commit(self, row: ManifestRow, res: Any, elapsed: float | None, ledger: Ledger,
+                intr: _Interrupts, bar: RunProgress) -> None:
+        if isinstance(res, BaseException):
+            self._failed(row, res, ledger, intr, bar)
+            return
         try:
-            res = self.synth.synthesize(row, self.stream)
             audio = _check_audio(res.audio)
             sr = int(res.sample_rate)
             if sr <= 0:
                 raise ValueError(f"bad sample rate {sr}")
+            tokens, chunks = int(res.tokens), int(res.chunks)
         except Exception as e:
-            self._failed(row, base, e, ledger, intr, bar)
+            self._failed(row, e, ledger, intr, bar)
             return
         timings = {k: _finite(v) for k, v in dict(res.timings or {}).items()}
-        if timings.get("total_s") is None:
-            timings["total_s"] = time.perf_counter() - t0
+        if timings.get("total_s") is None and elapsed is not None:
+            timings["total_s"] = elapsed
         audio_s = len(audio) / sr
-        rec = {**base, "status": "ok", "wav": f"{row.utt_id}.wav", "sample_rate": sr,
-               "audio_s": round(audio_s, 6), "tokens": int(res.tokens), "chunks": int(res.chunks),
+        rec = {**self._base(row), "status": "ok", "wav": f"{row.utt_id}.wav", "sample_rate": sr,
+               "audio_s": round(audio_s, 6), "tokens": tokens, "chunks": chunks,
                "prompt_s": round(row.prompt_s, 4), "timings": timings}
         with intr.commit():
             try:
                 rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype,
                                                     tag=self.shard.tag)
             except OSError as e:
-                self._failed(row, base, e, ledger, intr, bar)
+                self._failed(row, e, ledger, intr, bar)
                 return
             ledger.append(rec)
             # Counted inside the commit: a deferred Ctrl-C fires on exit, and the run_end
             # totals must include the row whose ledger line was just written.
             self.counts["ok"] += 1
             self.sums["audio_s"] += audio_s
-            self.sums["tokens"] += rec["tokens"]
+            self.sums["tokens"] += tokens
             for k in TIMING_KEYS:
                 self.sums[k] += timings.get(k) or 0.0
             self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
-        log.debug("%s ok: %.2f s audio in %.2f s", row.utt_id, audio_s, timings["total_s"])
+        log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)
 
-    def _failed(self, row: ManifestRow, base: dict[str, Any], e: BaseException, ledger: Ledger,
-                intr: _Interrupts, bar: RunProgress) -> None:
+    def _base(self, row: ManifestRow) -> dict[str, Any]:
+        return {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha,
+                "input": input_key(row)}
+
+    def _failed(self, row: ManifestRow, e: BaseException, ledger: Ledger, intr: _Interrupts,
+                bar: RunProgress) -> None:
         reason = f"{type(e).__name__}: {e}"[:1000]
         log.error("%s (line %d) failed: %s", row.utt_id, row.line, reason)
-        log.debug("%s", traceback.format_exc())
-        rec = {**base, "status": "failed", "reason": reason}
+        log.debug("%s", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        rec = {**self._base(row), "status": "failed", "reason": reason}
         with intr.commit():
             ledger.append(rec)
             self.counts["failed"] += 1

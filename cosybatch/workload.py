@@ -175,13 +175,12 @@ def source_pool(sources: Sequence[Path], seconds: float = 60.0) -> np.ndarray:
     return np.tile(unit, reps).astype(np.float32)
 
 
-def _window(pool: np.ndarray, spec: PromptSpec) -> np.ndarray:
-    start = int(spec.start_s * POOL_RATE) % pool.size
-    n = int(round(spec.seconds * POOL_RATE))
-    idx = (start + np.arange(n)) % pool.size
-    wav = pool[idx]
+def _window(pool: np.ndarray, rate: int, spec: PromptSpec) -> np.ndarray:
+    start = int(spec.start_s * rate) % pool.size
+    n = int(round(spec.seconds * rate))
+    wav = pool[(start + np.arange(n)) % pool.size]
     # Fade the cut edges so windows do not start or end on a click.
-    ramp = min(n // 2, POOL_RATE // 100)
+    ramp = min(n // 2, rate // 100)
     fade = np.linspace(0.0, 1.0, ramp, dtype=np.float32)
     wav[:ramp] *= fade
     wav[n - ramp:] *= fade[::-1]
@@ -200,10 +199,11 @@ def write(out_dir: str | Path, sources: Sequence[Path] = (), n_rows: int = N_ROW
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     prompts, rows = plan(n_rows, n_prompts, seed)
     pool = source_pool(sources)
+    pools = {POOL_RATE: pool}
+    for rate in {p.sample_rate for p in prompts} - {POOL_RATE}:  # resample once, not per prompt
+        pools[rate] = resample(torch.from_numpy(pool)[None], POOL_RATE, rate)[0].numpy()
     for spec in prompts:
-        wav = _window(pool, spec)
-        if spec.sample_rate != POOL_RATE:
-            wav = resample(torch.from_numpy(wav)[None], POOL_RATE, spec.sample_rate)[0].numpy()
+        wav = _window(pools[spec.sample_rate], spec.sample_rate, spec)
         sf.write(str(out / spec.file), np.clip(wav, -1.0, 1.0), spec.sample_rate, subtype="PCM_16")
     lines = [f"{r.utt_id}|{prompts[r.prompt].transcript}|{prompts[r.prompt].file}|{r.target_text}" for r in rows]
     manifest = out / "meta.lst"

@@ -75,7 +75,7 @@ def expected_audio(utt_id: str, text: str, freq: float = 220.0, sr: int = 24000)
     return (0.5 * np.sin(2 * np.pi * f * np.arange(n) / sr)).astype(np.float32)
 
 
-def build(model: str, device: str, profile: str | None, overrides: list[str]) -> FakeSynth:
+def build(model: str, device: str, profile: str | None, overrides: list[str], stream: bool | None = None) -> FakeSynth:
     kw: dict = {"model": model}
     for item in overrides:
         key, _, value = item.partition("=")

@@ -88,6 +88,40 @@ def test_bad_rows_reported_with_file_and_line_then_good_rows_run(tmp_path):
     assert not (tmp_path / "strict").exists()
 
 
+def test_every_bad_case_in_one_manifest_good_rows_still_finish(tmp_path):
+    from fake_synth import write_prompt
+
+    man = make_manifest(tmp_path, 2)
+    p = tmp_path / "prompts"
+    (p / "empty.wav").write_bytes(b"")
+    (p / "junk.wav").write_bytes(b"not audio" * 10)
+    write_prompt(p / "low.wav", 1.0, 8000)
+    write_prompt(p / "long.wav", 30.5, 16000)
+    bad = {
+        3: ("x3|P.|prompts/a.wav", "expected 4 or 5"),
+        4: ("x4||prompts/a.wav|T.", "empty field: prompt_text"),
+        5: ("x5|P.|prompts/none.wav|T.", "prompt wav not found"),
+        6: ("x6|P.|prompts/junk.wav|T.", "prompt wav unreadable"),
+        7: ("x7|P.|prompts/empty.wav|T.", "prompt wav is empty"),
+        8: ("x8|P.|prompts/low.wav|T.", "below 16000 Hz"),
+        9: ("x9|P.|prompts/long.wav|T.", "over the 30 s limit"),
+        10: ("u0|P.|prompts/a.wav|T.", "duplicate utt_id 'u0'"),
+        11: ("../x11|P.|prompts/a.wav|T.", "not a safe file name"),
+        12: ("x\x0112|P.|prompts/a.wav|T.", "control character U+0001"),
+    }
+    with open(man, "a") as f:
+        f.write("".join(line + "\n" for line, _ in bad.values()) + "u2|P.|prompts/b.wav|Last good row.\n")
+    out = tmp_path / "out"
+    res = _invoke("synth", man, "--out", out, *FAKE)
+    assert res.exit_code == 1
+    for n, (_, why) in bad.items():
+        assert any(ln.split(" ", 2)[-1].startswith(f"{man}:{n}: ") and why in ln
+                   for ln in res.stderr.splitlines()), (n, why)
+    assert sorted(_ok_ids(out)) == ["u0", "u1", "u2"]
+    inv = {r["line"]: r["reason"] for r in _ledger(out) if r["event"] == "invalid"}
+    assert sorted(inv) == sorted(bad) and all(bad[n][1] in inv[n] for n in bad)
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--set", "novalue"], "expected KEY=VALUE"),
     (["--shard", "3/3"], "need 0 <= i < n"),
@@ -131,12 +165,20 @@ def test_shard_from_torchrun_environment(tmp_path):
     assert json.loads((out / "timing.json").read_text())["totals"]["ok"] == 4
 
 
-def test_check_reports_without_synthesizing(tmp_path, model_dir):
+def test_check_with_a_model_reads_its_config(tmp_path, model_dir):
     man = make_manifest(tmp_path, 3)
     res = _invoke("check", man, "--model", model_dir)
     assert res.exit_code == 0, res.output
+    assert f"model: {model_dir}" in res.stdout and "output WAVs at 24000 Hz" in res.stdout
+    assert "synth would synthesize 3 row(s)" in res.stdout
+
+
+def test_check_reports_without_synthesizing(tmp_path):
+    man = make_manifest(tmp_path, 3)
+    res = _invoke("check", man)
+    assert res.exit_code == 0, res.output
     assert "3 valid row(s), 0 line(s) with problems" in res.stdout
-    assert "synth would synthesize 3 row(s)" in res.stdout and "model:" in res.stdout
+    assert "synth would synthesize 3 row(s)" in res.stdout and "model: not checked" in res.stdout
     out = tmp_path / "out"
     _invoke("synth", man, "--out", out, *FAKE, "-q")
     res = _invoke("check", man, "--out", out, "--shard", "0/1")

@@ -134,7 +134,7 @@ def test_relative_prompts_resolve_against_the_manifest_folder_not_cwd(folder, tm
 _alphabet = st.sampled_from(list(b"ab|./\\\n\r#\x00\xff\xef\xbb\xbf p.wavok16 ") + [0x7f, 0xc3, 0xa9])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.one_of(st.binary(max_size=400), st.lists(_alphabet, max_size=200).map(bytes)))
 @example(data=b"a|P.|p/ok\x0016.wav|T.\n")
 @example(data=b"a|P.|" + b"x" * 5000 + b".wav|T.\n")

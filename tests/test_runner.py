@@ -100,7 +100,7 @@ def test_invalid_rows_are_ledgered_and_strict_refuses(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(RunError, match="--strict"):
         _run(man, FakeSynth(), out, strict=True)
-    assert not (out / "ledger.jsonl").exists()
+    assert not out.exists()
     rep = _run(man, FakeSynth(), out)
     assert rep.exit_code == 1 and rep.totals["invalid"] == 2 and rep.totals["ok"] == 2
     inv = [r for r in _ledger(out) if r["event"] == "invalid"]
@@ -134,6 +134,21 @@ def test_resume_skips_done_rows_and_redoes_exactly_what_changed(tmp_path):
     synth = FakeSynth()
     assert _run(man, synth, out, overwrite=True).exit_code == 0
     assert synth.calls == [f"u{i}" for i in range(6)]
+
+
+def test_change_explanation_is_not_fooled_by_json_types(tmp_path):
+    man = make_manifest(tmp_path, 1)
+    out = tmp_path / "out"
+
+    class Tupled(FakeSynth):
+        def fingerprint(self):
+            return {**super().fingerprint(), "rates": (8, 5, 3)}
+
+    assert _run(man, Tupled(), out).exit_code == 0
+    assert _run(man, Tupled(), out).totals["skipped"] == 1
+    with pytest.raises(SettingsChanged) as ei:
+        _run(man, Tupled(freq=100.0), out)
+    assert "freq" in str(ei.value) and "rates" not in str(ei.value)
 
 
 @pytest.mark.parametrize("change", [{"synth": FakeSynth(freq=330.0)}, {"stream": True}])
@@ -243,3 +258,37 @@ def test_merge_reports_missing_shards(tmp_path):
         _run(man, FakeSynth(), outs[i], shard=Shard(i, 3))
     res = merge_outputs([outs[0], outs[2]], tmp_path / "merged")
     assert res.totals["missing_shards"] == ["1/3"] and res.exit_code == 1
+
+
+def test_batch_synthesizer_results_in_completion_order(tmp_path):
+    man = make_manifest(tmp_path, 5)
+
+    class Batch(FakeSynth):
+        def synthesize(self, row, stream):  # must not be used when synthesize_batch exists
+            raise AssertionError("row-by-row path used")
+
+        def synthesize_batch(self, rows, stream):
+            for row in reversed(rows):
+                if row.utt_id == "u3":
+                    continue  # an engine bug: a row goes missing
+                if row.utt_id == "u1":
+                    yield row, RuntimeError("engine row error")
+                    continue
+                yield row, FakeSynth.synthesize(self, row, stream)
+            yield rows[0], FakeSynth.synthesize(self, rows[0], stream)  # and one comes back twice
+
+    out = tmp_path / "out"
+    rep = _run(man, Batch(), out)
+    assert rep.exit_code == 1 and sorted(rep.failed) == ["u1", "u3"]
+    rows = {r["utt_id"]: r for r in _ledger(out) if r.get("event") == "row"}
+    assert "no result" in rows["u3"]["reason"] and "engine row error" in rows["u1"]["reason"]
+    assert _ok_ids(out) == ["u4", "u2", "u0"]
+    t = json.loads((out / "timing.json").read_text())
+    assert [r["utt_id"] for r in t["rows"]] == ["u0", "u1", "u2", "u3", "u4"]  # manifest order
+
+
+def test_unwritable_out_is_a_run_error(tmp_path):
+    man = make_manifest(tmp_path, 1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunError, match="cannot create output folder"):
+        _run(man, FakeSynth(), tmp_path / "file" / "out")

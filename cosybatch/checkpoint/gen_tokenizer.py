@@ -9,6 +9,7 @@ never emit.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -117,6 +118,14 @@ def build_vocab(n_merges: int = 600) -> tuple[dict[str, int], list[tuple[str, st
     return vocab, merges
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer_files() -> tuple[str, str]:
+    """(vocab.json, merges.txt) texts; independent of size and seed, so built once per process."""
+    vocab, merges = build_vocab()
+    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
+    return json.dumps(vocab, ensure_ascii=False, separators=(",", ":")), "\n".join(lines) + "\n"
+
+
 def _tokenizer_config() -> dict:
     added = {
         str(i): {
@@ -174,12 +183,8 @@ def _hf_config(q: QwenConfig) -> dict:
     }
 
 
-def _write_json(path: Path, obj, compact: bool = False) -> None:
-    if compact:
-        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    else:
-        text = json.dumps(obj, ensure_ascii=False, indent=2) + "\n"
-    path.write_text(text, encoding="utf-8")
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
 def write_blank_en(out: Path, q: QwenConfig) -> None:
@@ -190,10 +195,9 @@ def write_blank_en(out: Path, q: QwenConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if q.vocab_size <= max(SPECIALS.values()):
         raise ValueError(f"Qwen vocab_size {q.vocab_size} cannot hold the special ids")
-    vocab, merges = build_vocab()
-    _write_json(out / "vocab.json", vocab, compact=True)
-    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
-    (out / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    vocab_text, merges_text = _tokenizer_files()
+    (out / "vocab.json").write_text(vocab_text, encoding="utf-8")
+    (out / "merges.txt").write_text(merges_text, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     _write_json(out / "config.json", _hf_config(q))
     _write_json(
@@ -202,5 +206,7 @@ def write_blank_en(out: Path, q: QwenConfig) -> None:
          "transformers_version": "4.51.3"},
     )
     # from_pretrained insists on a weights file; llm.pt overwrites every weight anyway
+    weights = out / "model.safetensors"
     save_file({"model.norm.weight": torch.ones(q.hidden_size, dtype=torch.bfloat16)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+              str(weights), metadata={"format": "pt"})
+    weights.chmod(0o644)  # safetensors creates it owner-only; keep it like its siblings

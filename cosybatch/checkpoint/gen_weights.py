@@ -5,10 +5,11 @@ model costs no memory), mapped back to the official names. Every tensor is drawn
 generator seeded by (seed, official key name), so a file does not depend on the order in which
 modules register parameters, and a tensor is generated right before it is needed.
 
-Init (as the fixture was made): matrices N(0, 1/fan_in); embeddings N(0, 1); biases
+Init (the fixture's recipe, plus calibrations): matrices N(0, 1/fan_in); embeddings N(0, 1); biases
 N(0, 0.05^2); norm gains / Snake alphas 1 + N(0, 0.1^2); weight-normed convs v ~ N(0, 1) with
-g = |v| / sqrt(fan_in) (so the folded weight is again ~N(0, 1/fan_in)); HiFT conv_post g x0.3
-(keeps exp(log-magnitude) off its clip); the F0 classifier rescaled to an F0 spread of ~80 Hz.
+g = |v| / sqrt(fan_in) (so the folded weight is again ~N(0, 1/fan_in)); HiFT conv_post g rescaled
+(calibrated on a random mel so exp(log-magnitude) stays off its clip); the F0 classifier
+rescaled to an F0 spread of ~80 Hz; the LLM head's stop rows are reshaped (see EOS_ROW_GAIN).
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ from cosybatch.config import ModelConfig
 
 BIAS_STD = 0.05
 GAIN_STD = 0.1
-CONV_POST_GAIN = 0.3
 F0_TARGET_STD_HZ = 80.0
+# conv_post's log-magnitude rows feed exp(); this spread keeps the waveform unclipped (the
+# fixture's HiFT has ~0.5-0.6); a fixed x0.3 gain was not enough for every size and seed
+LOG_MAG_TARGET_STD = 0.6
+CALIBRATION_MEL_STD = 1.5  # random flows emit mels around N(0, 1.2-1.8)
+CALIBRATION_FRAMES = 40
+# Random Gaussian rows make each of the 200 stop ids (sos .. speech_vocab-1) about as likely as
+# a speech token, i.e. a stop every ~30 steps under the official RAS sampling.  Keeping only
+# eos live, with a wider row, gives ~1% per step (~100 tokens, 4 s) with iid unit logits:
+# still text-independent, so benchmarks should force lengths.
+EOS_ROW_GAIN = 2.1
+OTHER_STOP_ROW_GAIN = 0.1
 
 LLM_PREFIX = "llm.model.model."
 LLM_TIED_HEAD = "llm.model.lm_head.weight"
@@ -139,6 +150,10 @@ def llm_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             name = key
         sd[name] = _draw(name, kind, shape, seed)
     sd.setdefault(LLM_TIED_HEAD, sd[LLM_PREFIX + "embed_tokens.weight"])
+    head = sd["llm_decoder.weight"]
+    sos, eos = cfg.llm.sos, cfg.llm.eos
+    head[sos:].mul_(OTHER_STOP_ROW_GAIN)
+    head[eos].mul_(EOS_ROW_GAIN / OTHER_STOP_ROW_GAIN)
     return sd
 
 
@@ -155,23 +170,6 @@ def flow_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- hift.pt
 
 
-def _f0_spread(sd: dict[str, torch.Tensor], n_convs: int, seed: int) -> float:
-    """Std of the F0 predictor's pre-abs output on a random log-mel, with the classifier as drawn.
-
-    Edge padding does not matter for a spread estimate, so the convs run unpadded."""
-    g = _generator(seed, "f0_calibration_mel")
-    in_ch = sd["f0_predictor.condnet.0" + _WN_V].shape[1]
-    x = (torch.randn(1, in_ch, 200, generator=g, dtype=torch.float64) * 2.0 - 6.0)
-    for i in range(n_convs):
-        pre = f"f0_predictor.condnet.{2 * i}"
-        gain, v = sd[pre + _WN_G].double(), sd[pre + _WN_V].double()
-        w = gain * v / v.flatten(1).norm(dim=1).reshape(-1, 1, 1)
-        x = F.elu(F.conv1d(x, w, sd[pre + ".bias"].double()))
-    y = F.linear(x.transpose(1, 2), sd["f0_predictor.classifier.weight"].double(),
-                 sd["f0_predictor.classifier.bias"].double())
-    return float(y.std())
-
-
 def hift_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     from cosybatch.models.hift import CausalHiFTGenerator
 
@@ -186,18 +184,65 @@ def hift_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             if bias_key in kinds and bias_key not in sd:
                 sd[bias_key] = _draw(bias_key, BIAS, kinds[bias_key][1], seed)
             gain, v = _weight_norm_pair(shape, _generator(seed, prefix + ".parametrizations.weight"))
-            if prefix == "conv_post":
-                gain.mul_(CONV_POST_GAIN)
             sd[prefix + _WN_G], sd[prefix + _WN_V] = gain, v
         elif key not in sd:
             sd[key] = _draw(key, kind, shape, seed)
-    n_convs = sum(1 for k in sd if k.startswith("f0_predictor.condnet.") and k.endswith(_WN_G))
-    if n_convs and "f0_predictor.classifier.weight" in sd:
-        spread = _f0_spread(sd, n_convs, seed)
-        if spread > 0 and math.isfinite(spread):
-            sd["f0_predictor.classifier.weight"].mul_(F0_TARGET_STD_HZ / spread)
-            sd["f0_predictor.classifier.bias"].mul_(F0_TARGET_STD_HZ / spread)
+    _calibrate_hift(sd, cfg, seed)
     return sd
+
+
+def _fold(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, t in sd.items():
+        if k.endswith(_WN_V):
+            continue
+        if k.endswith(_WN_G):
+            prefix = k[: -len(_WN_G)]
+            v = sd[prefix + _WN_V]
+            out[prefix + ".weight"] = t * v / v.flatten(1).norm(dim=1).reshape((-1,) + (1,) * (v.dim() - 1))
+        else:
+            out[k] = t
+    return out
+
+
+def _output_spread(module: nn.Module, hooked: nn.Module, mel: torch.Tensor, rows: slice) -> float:
+    """Std over ``rows`` of what ``hooked`` returns during one ``module.inference(mel)``, minus its bias."""
+    seen: list[torch.Tensor] = []
+    handle = hooked.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().double()))
+    try:
+        module.inference(mel, finalize=True)
+    finally:
+        handle.remove()
+    out = seen[-1].movedim(-1 if isinstance(hooked, nn.Linear) else 1, 0)[rows]
+    bias = hooked.bias.detach().double()[rows].reshape((-1,) + (1,) * (out.dim() - 1))
+    spread = float((out - bias).std())
+    if not math.isfinite(spread) or spread <= 0:
+        raise ValueError(f"HiFT calibration: degenerate output spread {spread}")
+    return spread
+
+
+def _calibrate_hift(sd: dict[str, torch.Tensor], cfg: ModelConfig, seed: int) -> None:
+    """Rescale the F0 classifier (F0 spread ~F0_TARGET_STD_HZ) and conv_post's g (log-magnitude
+    spread LOG_MAG_TARGET_STD) on a random flow-like mel.
+
+    Runs our own CausalHiFTGenerator (CPU, a short mel) and reads the two layers through
+    hooks, so it relies only on the module names the official layout fixes."""
+    from cosybatch.models.hift import CausalHiFTGenerator
+
+    hcfg = cfg.hift
+    module = CausalHiFTGenerator(hcfg)
+    module.load_state_dict(_fold(sd), strict=True)
+    module.eval()
+    g = _generator(seed, "hift_calibration_mel")
+    mel = torch.randn(1, hcfg.in_channels, CALIBRATION_FRAMES, generator=g) * CALIBRATION_MEL_STD
+    clf = module.f0_predictor.classifier
+    scale = F0_TARGET_STD_HZ / _output_spread(module, clf, mel, slice(None))
+    for name in ("weight", "bias"):
+        sd[f"f0_predictor.classifier.{name}"].mul_(scale)
+        getattr(clf, name).data.mul_(scale)
+    n_mag = hcfg.n_fft // 2 + 1
+    spread = _output_spread(module, module.conv_post, mel, slice(0, n_mag))
+    sd["conv_post" + _WN_G].mul_(LOG_MAG_TARGET_STD / spread)
 
 
 # --------------------------------------------------------------------------- writing

@@ -5,11 +5,12 @@ yaml structure, file names, state-dict keys and shapes, tokenizer id layout, ONN
 contracts) filled with random weights, for tests and benchmarks that must not depend on the
 real download.
 
-Random weights produce noise, not speech.  The LLM is not engineered to stop: under the
-official sampling a step ends the utterance whenever one of the 200 stop rows (sos .. 6760) is
-sampled, i.e. roughly every 30 tokens regardless of the text, and under greedy decoding it
-typically loops until ``max_len``.  Benchmarks on generated checkpoints should therefore
-force utterance lengths.
+Random weights produce noise, not speech.  The LLM has no notion of the text it reads, so its
+stop is random too: only eos is a live stop row, tuned to end an utterance after ~100 tokens
+on average under the official sampling (geometric, capped at ``max_len`` = 20 x text tokens,
+and possibly at step 0 since the official min_len rule does not mask eos).  Benchmarks that
+need realistic, text-dependent lengths must force them.  Writing ``full`` takes ~30-60 s and
+~2.3 GB of memory (one state dict at a time).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class SdpaBackend:
             q0 += ql
         return {
             "q_idx": q_idx.to(device),
-            "q_valid": q_valid.to(device),
+            "q_sel": q_valid.flatten().nonzero().flatten().to(device),  # host-side: no sync in run
             "k_idx": k_idx.to(device),
             "mask": k_valid[:, None, None, :].to(device),  # padded keys never seen; padded queries discarded
         }
@@ -76,7 +76,7 @@ class SdpaBackend:
         qp, kp, vp = q[prep["q_idx"]], k[prep["k_idx"]], v[prep["k_idx"]]  # [S, L, H, Dh]
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=prep["mask"])
         # Sub-sequences are back to back, so the valid rows in order are the packed order.
-        return o.transpose(1, 2)[prep["q_valid"]]
+        return o.transpose(1, 2).flatten(0, 1).index_select(0, prep["q_sel"])
 
 
 def _cu_with_gaps(launch: Launch, n_keys: int) -> tuple[list[int], list[int]]:

@@ -11,18 +11,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cosybatch.models.dit import LN_EPS, DiT, apply_rotary
+from cosybatch.models.dit import LN_EPS, DiT
 
 
 def _ln(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=LN_EPS)
 
 
-def block_pre(h, shift, scale, wq, bq, wk, bk, wv, bv, freqs, heads: int):
+def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles [N, rot] (fp32), computed once per call, not per layer."""
+    return freqs.cos(), freqs.sin()
+
+
+def _rotate_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``dit.apply_rotary`` done in place on the first ``rot`` channels only (only head 0 is
+    rotated), so the other channels are never copied."""
+    rot = cos.shape[-1]
+    xr = x[:, :rot].float()
+    a, b = xr.unflatten(-1, (-1, 2)).unbind(-1)
+    turned = torch.stack((-b, a), dim=-1).flatten(-2)  # GPT-J interleaved rotate_half
+    x[:, :rot] = (xr * cos + turned * sin).to(x.dtype)
+    return x
+
+
+def block_pre(h, shift, scale, wq, bq, wk, bk, wv, bv, cos, sin, heads: int):
     """Modulated pre-norm, q/k/v and the head-0 rotary: h [N, D] -> q, k, v [N, H, Dh]."""
     x = _ln(h) * (1 + scale) + shift
-    q = apply_rotary(F.linear(x, wq, bq), freqs)
-    k = apply_rotary(F.linear(x, wk, bk), freqs)
+    q = _rotate_first(F.linear(x, wq, bq), cos, sin)
+    k = _rotate_first(F.linear(x, wk, bk), cos, sin)
     v = F.linear(x, wv, bv)
     return q.unflatten(-1, (heads, -1)), k.unflatten(-1, (heads, -1)), v.unflatten(-1, (heads, -1))
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.codec.attention import make_backend
-from cosybatch.codec.dit_step import block_post, block_pre, block_weights, conv_position_embed
+from cosybatch.codec.dit_step import block_post, block_pre, block_weights, conv_position_embed, rotary_tables
 from cosybatch.codec.hops import Chunk
 from cosybatch.codec.packing import POOL, SCRATCH, SELF, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
@@ -85,6 +85,7 @@ class FlowRunner:
         if compile:
             self._pre = torch.compile(block_pre, dynamic=True)
             self._post = torch.compile(block_post, dynamic=True)
+        self.stats = {"calls": 0, "jobs": 0, "tokens": 0, "cached_tokens": 0, "attn_pairs": 0, "output_frames": 0}
         self._schedule()
 
     # ------------------------------------------------------------------ setup
@@ -209,6 +210,7 @@ class FlowRunner:
         plans = [self._plan(j) for j in jobs]
         rows = [RowSpec(p.frames, p.q_start, p.conv_start, p.chunk, tuple(self.cache.get(p.key).regions) if p.key else None) for p in plans]
         lay = pack(rows, self.conv_gap, self.device)
+        self._count(plans, lay)
         x = torch.cat([self.noise[p.q_start : p.frames] for p in plans])  # [job tokens, mel] fp32
         static = self._static_inputs(plans, lay)
         margins = [self.cache.get(p.key).traj for p in plans if p.q_start > p.conv_start]
@@ -216,7 +218,7 @@ class FlowRunner:
         record = self._record_index(plans, lay)
         trace = []
         # Rotary angles from the fp32 module: a bf16 copy of inv_freq would lose precision.
-        freqs = self.flow.decoder.estimator.rotary_embed.freqs(lay.positions)
+        cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(lay.positions))
         preps = [self.backend.prepare(ln, self._n_keys(ln.source, lay), self.device) for ln in lay.launches]
         scratch = None
         if lay.scratch_frames:
@@ -233,7 +235,7 @@ class FlowRunner:
             h = self.dit.input_embed.proj(torch.cat((xin, static), dim=1)) * lay.conv_valid[:, None].to(self.dtype)
             h = conv_position_embed(self.dit, h, lay.conv_valid.to(self.dtype))[lay.att_to_conv]
             for layer, (m, (wpre, wpost)) in enumerate(zip(mods, self._weights)):
-                q, k, v = self._pre(h, m[0], m[1], *wpre, freqs, self.heads)
+                q, k, v = self._pre(h, m[0], m[1], *wpre, cos, sin, self.heads)
                 o = self._attend(q, k, v, s, layer, lay, preps, scratch)
                 h = self._post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
             vel = self.dit.head(h, temb)[lay.row_to_att].float()
@@ -245,6 +247,16 @@ class FlowRunner:
             xj = x[lay.job_slice(j)]
             outs.append(xj[p.out_start - p.q_start :].t().unsqueeze(0).contiguous())
         return outs
+
+    def _count(self, plans, lay) -> None:
+        """Work done per call (one Euler step, CFG rows included), for benchmarks and tests."""
+        st = self.stats
+        st["calls"] += 1
+        st["jobs"] += len(plans)
+        st["tokens"] += lay.tokens
+        st["cached_tokens"] += 2 * sum(p.q_start for p in plans)
+        st["attn_pairs"] += sum(q * k for ln in lay.launches for q, k in zip(ln.q_lens, ln.k_lens))
+        st["output_frames"] += sum(p.frames - p.out_start for p in plans)
 
     def _n_keys(self, source: tuple, lay) -> int:
         if source[0] == SELF:

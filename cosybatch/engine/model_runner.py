@@ -78,6 +78,8 @@ class ModelRunner:
         # batched elementwise op could round a row differently from the same row alone
         self._rowwise = self.device.type != "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_modes: dict[int, str] = {}
+        self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
         self.graph_pool = None
         if cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable:
             self.capture_graphs()
@@ -138,9 +140,10 @@ class ModelRunner:
         r.n_gen[rows] = 1
         return toks.tolist()
 
-    def _decode_step(self, b: int, seqs: list[Sequence] | None) -> None:
+    def _decode_step(self, b: int, seqs: list[Sequence] | None, logits: torch.Tensor | None = None) -> None:
         r = self.rows
-        logits = self.executor.decode(b, seqs)
+        if logits is None:
+            logits = self.executor.decode(b, seqs)
         n_gen = r.n_gen[:b]
         toks = self._sample_record(logits, slice(0, b), n_gen)
         act = r.active[:b]
@@ -162,10 +165,13 @@ class ModelRunner:
         if self.executor.graphable:
             b = self.bucket(n)
             g = self.graphs.get(b)
-            if g is not None:
-                g.replay()
-            else:
+            if g is None:
                 self._decode_step(b, None)
+            elif b in self._logit_bufs:
+                g.replay()
+                self._decode_step(b, None, self._logit_bufs[b])
+            else:
+                g.replay()
         else:
             self._decode_step(n, seqs)
         return self.rows.out[:n].tolist()
@@ -174,23 +180,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture every bucket, largest first so smaller ones reuse its memory pool. Rows are all
-        inactive during capture, so warm-up and capture leave no state behind."""
+        """Capture every bucket before the first request, largest first so the smaller ones reuse
+        its memory pool. Rows are all inactive meanwhile, so warm-up leaves no state behind. A
+        bucket whose whole step (forward + sampling + state update) cannot be captured falls back
+        to a graph of the forward alone with eager sampling, then to eager, with a warning."""
         self.executor.warmup(self.cfg.buckets())
         for b in sorted(self.cfg.buckets(), reverse=True):
-            try:
-                self._decode_step(b, None)  # compile/warm this shape outside the capture
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.graph_pool):
-                    self._decode_step(b, None)
-                if self.graph_pool is None:
-                    self.graph_pool = g.pool()
-                self.graphs[b] = g
-            except Exception as e:  # fall back to eager for this bucket, loudly
-                log.warning("CUDA graph capture failed for decode bucket %d (%s); running it eager", b, e)
+            for mode in ("step", "forward"):
+                try:
+                    self._capture(b, mode)
+                    self.graph_modes[b] = mode
+                    break
+                except Exception as e:
+                    log.warning("CUDA graph capture (%s) failed for decode bucket %d: %s", mode, b, e)
+                    torch.cuda.synchronize(self.device)
+            else:
+                self.graph_modes[b] = "eager"
         torch.cuda.synchronize(self.device)
         self.reset_rows()
+
+    def _capture(self, b: int, mode: str) -> None:
+        if mode == "step":
+            fn = lambda: self._decode_step(b, None)  # noqa: E731
+        else:
+            buf = torch.empty(b, self.vocab_padded, dtype=torch.float32, device=self.device)
+            fn = lambda: buf.copy_(self.executor.decode(b))  # noqa: E731
+        fn()  # warm this exact shape outside the capture
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.graph_pool):
+            fn()
+        if self.graph_pool is None:
+            self.graph_pool = g.pool()
+        self.graphs[b] = g
+        if mode == "forward":
+            self._logit_bufs[b] = buf
+        else:
+            self._logit_bufs.pop(b, None)
 
     def reset_rows(self) -> None:
         for row in range(self.num_rows):

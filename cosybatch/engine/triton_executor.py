@@ -1,0 +1,154 @@
+"""Packed forward on the GPU with the Triton kernels: many prompts in one prefill (no padding),
+one decode token per row, all reading/writing the paged cache.
+
+The weights are the ``CosyVoice3LM``'s own, copied once into the engine dtype (q/k/v and
+gate/up fused, the speech head padded to an aligned vocabulary with a -inf bias on the padding).
+The decode forward reads only device state (``RowState``), so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cosybatch.engine import triton_kernels as K
+from cosybatch.engine.kv_cache import PagedKVCache
+from cosybatch.engine.request import Sequence
+from cosybatch.models.speech_lm import CosyVoice3LM
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor
+    w_o: torch.Tensor
+    ln2: torch.Tensor
+    w_gu: torch.Tensor
+    w_down: torch.Tensor
+
+
+class TritonExecutor:
+    name = "triton"
+    graphable = True
+
+    def __init__(self, lm: CosyVoice3LM, cache: PagedKVCache, rows, vocab_padded: int,
+                 dtype: torch.dtype, linear: str = "triton"):
+        q = lm.cfg.qwen
+        self.cache = cache
+        self.rows = rows
+        self.device = lm.speech_embedding.weight.device
+        self.dtype = dtype
+        self.hq, self.hkv, self.d = q.num_attention_heads, q.num_key_value_heads, q.head_dim
+        self.eps = q.rms_norm_eps
+        self.scale = self.d ** -0.5
+        self.linear_impl = linear
+        if cache.block_size < 16 or cache.block_size & (cache.block_size - 1):
+            raise ValueError("the triton executor needs a power-of-two kv_block_size >= 16")
+
+        def prep(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=self.device, dtype=dtype).contiguous()
+
+        bb = lm.backbone
+        self.layers = []
+        for L in bb.layers:
+            a, m = L.self_attn, L.mlp
+            self.layers.append(_Layer(
+                ln1=prep(L.input_layernorm.weight),
+                w_qkv=prep(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                b_qkv=prep(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
+                w_o=prep(a.o_proj.weight),
+                ln2=prep(L.post_attention_layernorm.weight),
+                w_gu=prep(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                w_down=prep(m.down_proj.weight),
+            ))
+        self.norm = prep(bb.norm.weight)
+        self.embed_text = prep(bb.embed_tokens.weight)
+        self.embed_speech = prep(lm.speech_embedding.weight)
+        v, hidden = lm.llm_decoder.weight.shape
+        head = torch.zeros(vocab_padded, hidden, dtype=dtype, device=self.device)
+        head[:v] = prep(lm.llm_decoder.weight)
+        self.head = head
+        self.head_bias = torch.zeros(vocab_padded, dtype=torch.float32, device=self.device)
+        self.head_bias[v:] = float("-inf")
+        # rotary table of HF Qwen2 (float32 angles), one row per position
+        max_pos = rows.block_tables.shape[1] * cache.block_size
+        inv = bb.rotary.inv_freq(self.device)
+        ang = torch.arange(max_pos, device=self.device, dtype=torch.float32).unsqueeze(1) * inv.unsqueeze(0)
+        self.cos, self.sin = ang.cos().contiguous(), ang.sin().contiguous()
+        self.sos, self.task_id = lm.cfg.sos, lm.cfg.task_id
+        self._arange = torch.arange(rows.tok.shape[0], device=self.device, dtype=torch.long)
+
+    # ---------------------------------------------------------------- building blocks
+
+    def _mm(self, x, w, bias=None, phase="decode", out_dtype=None):
+        if self.linear_impl == "torch" and out_dtype is None:
+            return F.linear(x, w, bias)
+        return K.matmul(x, w, bias, out_dtype=out_dtype, phase=phase)
+
+    def _forward(self, x, pos, tok_rows, slots, phase: str) -> torch.Tensor:
+        """x [T, H] inputs -> post-final-norm hidden [T, H]."""
+        bt = self.rows.block_tables
+        h = K.rmsnorm(x, self.layers[0].ln1, self.eps)
+        res = x
+        n = len(self.layers)
+        for i, L in enumerate(self.layers):
+            kc, vc = self.cache.k[i], self.cache.v[i]
+            k_slots, v_slots = self.cache.flat_slots(i)
+            qkv = self._mm(h, L.w_qkv, L.b_qkv, phase)
+            q = K.rope_cache(qkv, pos, slots, self.cos, self.sin, k_slots, v_slots, self.hq, self.hkv, self.d)
+            a = K.paged_attention(q, kc, vc, bt, tok_rows, pos, self.scale)
+            h, res = K.add_rmsnorm(self._mm(a, L.w_o, None, phase), res, L.ln2, self.eps)
+            mlp = self._mm(K.silu_mul(self._mm(h, L.w_gu, None, phase)), L.w_down, None, phase)
+            nxt = self.layers[i + 1].ln1 if i + 1 < n else self.norm
+            h, res = K.add_rmsnorm(mlp, res, nxt, self.eps)
+        return h
+
+    def _logits(self, h) -> torch.Tensor:
+        return K.matmul(h, self.head, self.head_bias, out_dtype=torch.float32, phase="decode")
+
+    # ---------------------------------------------------------------- phases
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids, is_speech, pos, rows, slots, last = [], [], [], [], [], []
+        bs = self.cache.block_size
+        for s in seqs:
+            seq_ids = [self.sos] + s.text_ids + [self.task_id] + s.prompt_speech
+            flags = [True] + [False] * len(s.text_ids) + [True] * (len(s.prompt_speech) + 1)
+            n = len(seq_ids)
+            ids += seq_ids
+            is_speech += flags
+            pos += range(n)
+            rows += [s.row] * n
+            slots += PagedKVCache.slots_for(s.blocks, 0, n, bs)
+            last.append(len(ids) - 1)
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        sp = torch.tensor(is_speech, dtype=torch.bool, device=dev)
+        x = torch.where(sp.unsqueeze(1),
+                        self.embed_speech[torch.where(sp, ids_t, 0)],
+                        self.embed_text[torch.where(sp, 0, ids_t)])
+        h = self._forward(x.contiguous(),
+                          torch.tensor(pos, dtype=torch.long, device=dev),
+                          torch.tensor(rows, dtype=torch.long, device=dev),
+                          torch.tensor(slots, dtype=torch.long, device=dev), "prefill")
+        return self._logits(h[torch.tensor(last, device=dev)].contiguous())
+
+    def decode(self, b: int, seqs=None) -> torch.Tensor:
+        """Logits [b, Vp] for rows 0..b-1 from device state only (graph-capturable)."""
+        r = self.rows
+        pos = r.pos[:b]
+        bs = self.cache.block_size
+        blk = r.block_tables[:b].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
+        slots = blk.squeeze(1).long() * bs + pos % bs
+        x = self.embed_speech[r.tok[:b]]
+        h = self._forward(x, pos, self._arange[:b], slots, "decode")
+        return self._logits(h)
+
+    def warmup(self, buckets) -> None:
+        """Compile every kernel variant once before graph capture."""
+        for b in buckets:
+            self.decode(b)

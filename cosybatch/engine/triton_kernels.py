@@ -1,0 +1,261 @@
+"""Triton kernels of the packed (GPU) forward. Every kernel is batch invariant by construction:
+a row's result is computed by one program with a fixed tile shape and a fixed reduction order,
+so it cannot change with the number of rows, their order or their neighbours.
+
+* ``matmul``: y = x @ w.T (+ bias), tiles fixed per phase (decode / prefill) and per weight
+  shape, never per M; no split-K, so each output element sums K in the same order every time.
+* ``rmsnorm`` / ``add_rmsnorm``: one program per row (HF Qwen2 semantics: the residual sum is
+  rounded to the activation dtype, the norm is taken in float32, the gain applied after casting).
+* ``rope_cache``: RoPE on q/k of one token, k and v written into their paged-cache slot.
+* ``paged_attention``: one program per (query token, kv head); the GQA group of query heads is
+  one tile; keys are visited block by block in position order with an online softmax.
+* ``silu_mul``: silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _prec(dtype):
+    import torch
+
+    # float32 runs (parity checks) must not silently drop to tf32; other dtypes take the default
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def matmul_tiles(phase: str, n: int, k: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages): a function of the phase, the weight shape and the
+    dtype only, never of M (that is what makes a row's bits independent of the batch)."""
+    wide = elem_bytes >= 4  # float32 tiles take twice the shared memory
+    if phase == "prefill":
+        return 128, 128, 64, 8, 2 if wide else 3
+    # decode: weight-streaming bound; narrow N tiles give more programs for the small projections
+    bn = 64 if n >= 4096 else 32
+    return 64, bn, 128, 4, 2 if wide else 4
+
+
+def matmul(x, w, bias=None, out_dtype=None, phase: str = "decode"):
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = matmul_tiles(phase, n, k, x.element_size())
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
+                         y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+                         PREC=_prec(x.dtype), num_warps=warps, num_stages=stages)
+    return y
+
+
+# ------------------------------------------------------------------------------------------ norms
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, H, eps, stride_x, stride_r, stride_o,
+                    stride_ro, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = x + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = s.to(r_out_ptr.dtype.element_ty)
+        tl.store(r_out_ptr + row * stride_ro + cols, s, mask=ok)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / H
+    y = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rmsnorm(x, w, eps: float):
+    import torch
+
+    out = torch.empty_like(x)
+    h = x.shape[1]
+    _rmsnorm_kernel[(x.shape[0],)](x, x, w, out, out, h, eps, x.stride(0), x.stride(0), out.stride(0),
+                                   out.stride(0), HAS_RES=False, BLOCK=_pow2(h))
+    return out
+
+
+def add_rmsnorm(x, res, w, eps: float):
+    """-> (rmsnorm(x + res) * w, x + res)."""
+    import torch
+
+    out = torch.empty_like(x)
+    new_res = torch.empty_like(res)
+    h = x.shape[1]
+    _rmsnorm_kernel[(x.shape[0],)](x, res, w, out, new_res, h, eps, x.stride(0), res.stride(0),
+                                   out.stride(0), new_res.stride(0), HAS_RES=True, BLOCK=_pow2(h))
+    return out, new_res
+
+
+# ------------------------------------------------------------------------------------------ rope + cache
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
+                       stride_qkv, stride_q, stride_cs, stride_slot,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQ_P: tl.constexpr,
+                       HKV_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    row = qkv_ptr + t * stride_qkv
+
+    hq = tl.arange(0, HQ_P)
+    mq = (hq < HQ)[:, None] & j_ok[None, :]
+    a = tl.load(row + hq[:, None] * D + j[None, :], mask=mq, other=0.0).to(tl.float32)
+    b = tl.load(row + hq[:, None] * D + HALF + j[None, :], mask=mq, other=0.0).to(tl.float32)
+    qo = q_ptr + t * stride_q + hq[:, None] * D + j[None, :]
+    tl.store(qo, (a * c - b * s).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(qo + HALF, (b * c + a * s).to(q_ptr.dtype.element_ty), mask=mq)
+
+    hk = tl.arange(0, HKV_P)
+    mk = (hk < HKV)[:, None] & j_ok[None, :]
+    kb = row + HQ * D
+    a = tl.load(kb + hk[:, None] * D + j[None, :], mask=mk, other=0.0).to(tl.float32)
+    b = tl.load(kb + hk[:, None] * D + HALF + j[None, :], mask=mk, other=0.0).to(tl.float32)
+    ko = kc_ptr + slot * stride_slot + hk[:, None] * D + j[None, :]
+    tl.store(ko, (a * c - b * s).to(kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(ko + HALF, (b * c + a * s).to(kc_ptr.dtype.element_ty), mask=mk)
+
+    d = tl.arange(0, D_P)
+    mv = (hk < HKV)[:, None] & (d < D)[None, :]
+    v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + d[None, :], mask=mv, other=0.0)
+    tl.store(vc_ptr + slot * stride_slot + hk[:, None] * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+def rope_cache(qkv, pos, slots, cos, sin, k_slots, v_slots, hq: int, hkv: int, d: int):
+    """qkv [T, (hq+2hkv)*d]; pos/slots [T]; cos/sin [max_pos, d/2] float32; k_slots/v_slots
+    [num_slots, hkv, d]. Returns roped q [T, hq, d]; writes roped k and v into their slots."""
+    import torch
+
+    t = qkv.shape[0]
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(t,)](qkv, pos, slots, cos, sin, q, k_slots, v_slots, qkv.stride(0), q.stride(0),
+                             cos.stride(0), k_slots.stride(0), HQ=hq, HKV=hkv, D=d, HQ_P=_pow2(hq),
+                             HKV_P=_pow2(hkv), HALF=d // 2, HALF_P=_pow2(d // 2), D_P=_pow2(d))
+    return q
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr, scale,
+                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
+                       GROUP: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       BS: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    row = tl.load(row_ptr + t)
+    g = tl.arange(0, G_P)
+    d = tl.arange(0, D_P)
+    g_ok = g < GROUP
+    d_ok = d < D
+    qh = kvh * GROUP + g
+    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D_P], tl.float32)
+    n = tl.arange(0, BS)
+    for b in range(0, pos // BS + 1):
+        blk = tl.load(bt_ptr + row * stride_bt + b).to(tl.int64)
+        off = blk * stride_kb + n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + off, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        s = tl.where((b * BS + n)[None, :] <= pos, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, tok_rows, pos, scale: float):
+    """q [T, hq, d]; k/v_cache [num_blocks, bs, hkv, d]; block_tables [R, max_blocks] int32;
+    tok_rows/pos [T]: each query token attends to keys 0..pos of its row. -> [T, hq*d]."""
+    import torch
+
+    t, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    group = hq // hkv
+    out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
+    _paged_attn_kernel[(t, hkv)](q, k_cache, v_cache, block_tables, tok_rows, pos, out, scale,
+                                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                 k_cache.stride(2), block_tables.stride(0), out.stride(0),
+                                 GROUP=group, G_P=_pow2(group, 16), D=d, D_P=_pow2(d, 16), BS=bs,
+                                 PREC=_prec(q.dtype), num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ mlp
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gu):
+    """gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    import torch
+
+    t, two_i = gu.shape
+    i = two_i // 2
+    out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
+    block = min(1024, _pow2(i))
+    _silu_mul_kernel[(t, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,213 @@
+"""Flow (DiT) throughput of the packed codec runner, random weights.
+
+Measures, for the flow part of the codec stage:
+- full passes (whole responses, full attention) versus packed size: frames/s and achieved
+  TFLOP/s, eager and optionally under torch.compile;
+- streaming with exact prefix reuse (hops 25/50/100 + prompt pad, all rows in lock step, one
+  call per hop) against the same rows without reuse (the official recompute) and against one
+  full pass: flow work (FLOPs and GPU time) per output second, final hop excluded.
+
+FLOPs are counted from the config (2 per multiply-add): per processed token the linear/conv
+work of one DiT pass, plus 4 * inner * depth per attended (query, key) pair, times the Euler
+steps; CFG rows count as tokens. Example:
+  python scripts/bench_codec.py --size full --device cuda --dtype bf16 --compile both --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
+from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
+from cosybatch.config import FlowConfig  # noqa: E402
+from cosybatch.models.flow import CausalMaskedDiffWithDiT  # noqa: E402
+from cosybatch.reference.token2wav import PromptTensors  # noqa: E402
+
+FRAMES_PER_SECOND = 50
+
+
+def build_flow(size: str, device) -> CausalMaskedDiffWithDiT:
+    if size == "full":
+        cfg = FlowConfig()
+    else:
+        from cosybatch.checkpoint.generate import model_config_for
+
+        cfg = model_config_for(size).flow
+    torch.manual_seed(0)
+    return CausalMaskedDiffWithDiT(cfg).eval().to(device)
+
+
+def token_flops(cfg: FlowConfig) -> float:
+    """Linear + conv FLOPs of one DiT pass per token (AdaLN is per step, not per token)."""
+    d = cfg.dit
+    inner, ff = d.heads * d.dim_head, d.dim * d.ff_mult
+    block = 3 * d.dim * inner + inner * d.dim + 2 * d.dim * ff
+    conv = 2 * d.dim * (d.dim // d.conv_pos_groups) * d.conv_pos_kernel
+    macs = d.depth * block + (2 * d.mel_dim + d.mu_dim + d.spk_dim) * d.dim + conv + d.dim * d.out_channels
+    return 2.0 * macs
+
+
+def work(cfg: FlowConfig, stats_before: dict, stats_after: dict) -> tuple[float, int, int]:
+    """(FLOPs, processed tokens, output frames) between two snapshots of ``runner.stats``."""
+    tok = stats_after["tokens"] - stats_before["tokens"]
+    pairs = stats_after["attn_pairs"] - stats_before["attn_pairs"]
+    out = stats_after["output_frames"] - stats_before["output_frames"]
+    d = cfg.dit
+    flops = cfg.n_timesteps * (tok * token_flops(cfg) + 4.0 * d.heads * d.dim_head * d.depth * pairs)
+    return flops, tok, out
+
+
+def make_rows(cfg, n_rows, prompt_tokens, target_tokens, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        p = prompt_tokens
+        prompt = PromptTensors(
+            torch.randint(0, cfg.vocab_size, (1, p), generator=g).to(device),
+            torch.randn(1, 2 * p, cfg.output_size, generator=g).to(device),
+            torch.randn(1, cfg.spk_embed_dim, generator=g).to(device),
+        )
+        rows.append((prompt, torch.randint(0, cfg.vocab_size, (target_tokens,), generator=g)))
+    return rows
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_call(runner, jobs, device):
+    before = dict(runner.stats)
+    sync(device)
+    t0 = time.perf_counter()
+    runner.run(jobs)
+    sync(device)
+    return time.perf_counter() - t0, before, dict(runner.stats)
+
+
+def bench_full(runner, cfg, rows, device, reps, tag):
+    jobs = [FlowJob(("full", tag, i), tok, pr) for i, (pr, tok) in enumerate(rows)]
+    runner.run(jobs)  # warm-up (allocator, autotuning, compilation)
+    secs, flops, toks, outs = 0.0, 0.0, 0, 0
+    for _ in range(reps):
+        dt, b, a = timed_call(runner, jobs, device)
+        f, t, o = work(cfg, b, a)
+        secs, flops, toks, outs = secs + dt, flops + f, toks + t, outs + o
+    return {"seconds": secs / reps, "flops": flops / reps, "tokens": toks // reps, "output_frames": outs // reps}
+
+
+def bench_stream(runner, cfg, rows, device, tag):
+    """All rows stream in lock step; returns totals for non-final hops and for final hops."""
+    plans = [(i, pr, tok, plan_segment(HopSchedule(), pr.speech_tokens.shape[1], tok.numel())) for i, (pr, tok) in enumerate(rows)]
+    res = {"hops": {"seconds": 0.0, "flops": 0.0, "tokens": 0, "output_frames": 0, "calls": 0},
+           "final": {"seconds": 0.0, "flops": 0.0, "tokens": 0, "output_frames": 0, "calls": 0}}
+    for hop in range(max(len(c) for *_, c in plans)):
+        jobs = [FlowJob((tag, i), tok, pr, c[hop]) for i, pr, tok, c in plans if hop < len(c)]
+        for final in (False, True):
+            part = [j for j in jobs if j.chunk.finalize == final]
+            if not part:
+                continue
+            dt, b, a = timed_call(runner, part, device)
+            f, t, o = work(cfg, b, a)
+            r = res["final" if final else "hops"]
+            r["seconds"] += dt
+            r["flops"] += f
+            r["tokens"] += t
+            r["output_frames"] += o
+            r["calls"] += 1
+    for i, *_ in plans:
+        runner.release((tag, i))
+    return res
+
+
+def per_output_second(r):
+    sec = r["output_frames"] / FRAMES_PER_SECOND
+    return r["flops"] / sec, r["seconds"] / sec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="full", choices=["tiny", "small", "full"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--full-jobs", default="16,32,64", help="packed full-pass sizes, in jobs of --full-prompt + --full-target tokens")
+    ap.add_argument("--full-prompt", type=int, default=125)
+    ap.add_argument("--full-target", type=int, default=125)
+    ap.add_argument("--stream-rows", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=125, help="streaming prompt (125 tokens = 5 s)")
+    ap.add_argument("--target-tokens", type=int, default=250, help="streaming reply (250 tokens = 10 s)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefix-budget-gb", type=float, default=64.0)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the streaming run without reuse")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    flow = build_flow(args.size, args.device)
+    cfg = flow.cfg
+    budget = int(args.prefix_budget_gb * (1 << 30))
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    results = {"args": vars(args), "token_gflop": token_flops(cfg) / 1e9, "full": [], "stream": []}
+    if args.device.startswith("cuda"):
+        results["gpu"] = torch.cuda.get_device_name()
+    print(f"# flow bench: size={args.size} dtype={args.dtype} device={args.device} token GFLOP/pass={token_flops(cfg) / 1e9:.4f}", flush=True)
+
+    for compiled in modes:
+        t0 = time.perf_counter()
+        runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled)
+        label = "compiled" if compiled else "eager"
+        for n in [int(x) for x in args.full_jobs.split(",") if x]:
+            rows = make_rows(cfg, n, args.full_prompt, args.full_target, args.device, seed=n)
+            r = bench_full(runner, cfg, rows, args.device, args.reps, n)
+            r.update(mode=label, jobs=n, backend=runner.backend.name)
+            r["tflops"] = r["flops"] / r["seconds"] / 1e12
+            r["tokens_per_s"] = r["tokens"] / r["seconds"]
+            r["audio_s_per_s"] = r["output_frames"] / FRAMES_PER_SECOND / r["seconds"]
+            results["full"].append(r)
+            print(f"full   {label:8s} jobs={n:4d} tokens={r['tokens']:6d} {r['seconds'] * 1e3:8.1f} ms "
+                  f"{r['tokens_per_s'] / 1e3:8.1f} k tok/s {r['tflops']:6.1f} TFLOP/s {r['audio_s_per_s']:7.1f} audio-s/s", flush=True)
+
+        rows = make_rows(cfg, args.stream_rows, args.prompt_tokens, args.target_tokens, args.device, seed=7)
+        full = bench_full(runner, cfg, [(p, t) for p, t in rows], args.device, 1, "stream-base")
+        bench_stream(runner, cfg, rows, args.device, "warm")  # warm-up: shapes, allocator, compile
+        variants = [("reuse", runner)]
+        if not args.no_baseline and not compiled:
+            variants.append(("recompute", FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=0)))
+        f_full, s_full = per_output_second(full)
+        for name, rr in variants:
+            res = bench_stream(rr, cfg, rows, args.device, "timed")
+            hops = res["hops"]
+            f_hop, s_hop = per_output_second(hops)
+            entry = {"mode": label, "variant": name, "rows": args.stream_rows, "full_pass": full, **res,
+                     "flop_ratio_vs_full": f_hop / f_full, "time_ratio_vs_full": s_hop / s_full,
+                     "hop_tflops": hops["flops"] / hops["seconds"] / 1e12,
+                     "kv_cache_gb": rr.cache.allocated_bytes / 2**30}
+            results["stream"].append(entry)
+            print(f"stream {label:8s} {name:9s} rows={args.stream_rows} hops: {hops['calls']} calls {hops['seconds'] * 1e3:8.1f} ms "
+                  f"{entry['hop_tflops']:6.1f} TFLOP/s; per output s vs full pass: work x{entry['flop_ratio_vs_full']:.3f}, "
+                  f"time x{entry['time_ratio_vs_full']:.3f}; final hops {res['final']['seconds'] * 1e3:.1f} ms; "
+                  f"K/V arena {entry['kv_cache_gb']:.1f} GiB", flush=True)
+        print(f"# {label} section took {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.device.startswith("cuda"):
+        results["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"# peak GPU memory {results['max_memory_gb']:.1f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()

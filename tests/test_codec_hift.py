@@ -1,0 +1,252 @@
+"""HiftRunner (bounded streaming state, batched decode) and CachedISTFT against the official path."""
+
+import json
+
+import pytest
+import torch
+
+from cosybatch.codec.hift_runner import HiftJob, HiftRunner, continue_phase, left_context
+from cosybatch.codec.istft import CachedISTFT
+from cosybatch.config import HiFTConfig
+from cosybatch.models.hift import CausalHiFTGenerator, fold_weight_norm, hann_window_periodic
+from cosybatch.reference.token2wav import HiftStream
+from conftest import ROWS, load_ref
+
+TOL = 1e-4  # the brief's bound for the bounded-window stream vs the official re-run
+WAV_ATOL = 2e-4  # fixture tolerance (tests/test_hift.py)
+
+
+@pytest.fixture(scope="module")
+def cfg(model_dir):
+    from cosybatch.checkpoint.loader import load_config
+
+    return load_config(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hift(cfg, model_dir):
+    sd = torch.load(model_dir / "hift.pt", map_location="cpu", weights_only=True)
+    sd = {k.replace("generator.", ""): v for k, v in sd.items()}
+    model = CausalHiFTGenerator(cfg.hift, model_cfg=cfg)
+    model.load_state_dict(fold_weight_norm(sd), strict=True)
+    return model.eval()
+
+
+def random_mel(frames, seed, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 80, frames, generator=g) * scale
+
+
+def official_chunks(hift, mel, hops):
+    ref, pos, out = HiftStream(hift), 0, []
+    for i, n in enumerate(hops):
+        out.append(ref.push(mel[:, :, pos:pos + n], i == len(hops) - 1))
+        pos += n
+    return out
+
+
+# ---------------------------------------------------------------------------- ISTFT
+@pytest.mark.parametrize("n_fft,hop", [(16, 4), (HiFTConfig().n_fft, HiFTConfig().hop_len), (32, 8)])
+def test_cached_istft_bit_equal_to_torch(n_fft, hop):
+    w = hann_window_periodic(n_fft)
+    ist = CachedISTFT(n_fft, hop, w)
+    g = torch.Generator().manual_seed(1)
+    for frames in (2, 3, 121, 1201):
+        re, im = torch.randn(2, 2, n_fft // 2 + 1, frames, generator=g)
+        ref = torch.istft(torch.complex(re, im), n_fft, hop, n_fft, window=w)
+        assert torch.equal(ist(re, im), ref)
+    env = ist.envelope(121, "cpu")
+    assert ist.envelope(121, "cpu") is env  # cached per frame count
+
+
+def test_cached_istft_ragged_rows_equal_their_own_istft():
+    w = hann_window_periodic(16)
+    ist = CachedISTFT(16, 4, w)
+    g = torch.Generator().manual_seed(2)
+    counts, width = [121, 50, 7, 130], 130
+    re, im = torch.randn(2, 4, 9, width, generator=g)
+    out = ist(re, im, ist.envelopes(counts, width, "cpu"), ist.frame_mask(counts, width, "cpu"))
+    for b, n in enumerate(counts):
+        ref = torch.istft(torch.complex(re[b:b + 1, :, :n], im[b:b + 1, :, :n]), 16, 4, 16, window=w)
+        # the batched irfft rounds differently from a single row (pocketfft SIMD): ~1 ulp
+        torch.testing.assert_close(out[b:b + 1, : ref.shape[1]], ref, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- pieces
+def test_phase_continuation_is_bit_exact():
+    g = torch.Generator().manual_seed(3)
+    rad = torch.rand(2, 300, 9, generator=g)
+    whole = torch.cumsum(rad.to(torch.float64), dim=1)
+    s, c = 120, 128  # window from s, anchor c: acc = sum of frames < c
+    got = continue_phase(rad[:, s:], [c - s, c - s], whole[:, c - 1])
+    assert torch.equal(got[:, c - s:], whole[:, c:])
+    assert torch.equal(continue_phase(rad, [0, 0], torch.zeros(2, 9, dtype=torch.float64)), whole)
+
+
+def test_source_from_frame_zero_is_bit_exact(hift):
+    runner = HiftRunner(hift)
+    mel = random_mel(60, 4)
+    f0, ref = hift.f0_and_source(mel, finalize=True)
+    rad = hift.m_source.frame_phase_increments(f0, torch.zeros(1, 9))
+    cycles = continue_phase(rad, [0], torch.zeros(1, 9, dtype=torch.float64))
+    got = runner._source(f0, cycles, runner._noise([0], 60 * hift.samples_per_frame))
+    assert torch.equal(got, ref)
+
+
+def test_left_context_is_sufficient_and_needed(hift):
+    f0_ctx, dec_ctx = left_context(hift)
+    assert f0_ctx == 8 and dec_ctx > f0_ctx
+    mel, hops = random_mel(400, 5), [37, 50, 100, 100, 13, 100]
+    ref = official_chunks(hift, mel, hops)
+
+    def stream(runner):
+        pos, diffs = 0, []
+        for i, (n, r) in enumerate(zip(hops, ref)):
+            got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], i == len(hops) - 1)])[0]
+            pos += n
+            assert got.shape == r.shape
+            diffs.append((got - r).abs().max().item() if r.numel() else 0.0)
+        return max(diffs)
+
+    assert stream(HiftRunner(hift)) <= TOL
+    assert stream(HiftRunner(hift, context_frames=dec_ctx // 2)) > 1e-3  # too short a window
+
+
+# ---------------------------------------------------------------------------- streams
+@pytest.mark.parametrize("hops", [[50, 100, 200, 200, 7], [8, 1, 40, 3, 99, 61], [120], [9, 120, 33]])
+def test_bounded_stream_equals_official_rerun(hift, hops):
+    mel = random_mel(sum(hops), sum(hops))
+    ref = official_chunks(hift, mel, hops)
+    runner = HiftRunner(hift)
+    f0_ctx, dec_ctx = left_context(hift)
+    bound = f0_ctx + dec_ctx + hift.f0_predictor.look_ahead + hift.cfg.conv_pre_look_right + 1
+    pos = 0
+    for i, (n, r) in enumerate(zip(hops, ref)):
+        fin = i == len(hops) - 1
+        got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], fin)])[0]
+        pos += n
+        assert got.shape == r.shape
+        if r.numel():
+            torch.testing.assert_close(got, r, rtol=0, atol=TOL)
+        if not fin:  # state stays O(receptive field), not O(history)
+            assert runner._states["a"].tail.shape[1] <= bound
+    assert runner.active() == 0
+
+
+def test_fixture_rows_streamed_together(hift, reference_dir):
+    """All rows' segments stream through one runner, batched in the same calls."""
+    runner = HiftRunner(hift)
+    per_stream, expect = {}, {}
+    for row in ROWS:
+        ref = load_ref(reference_dir, row)
+        for ch in json.loads((reference_dir / f"{row}.json").read_text())["stream_chunks"]:
+            key = (row, ch["segment"])
+            per_stream.setdefault(key, []).append(
+                (ref[f"stream.seg{ch['segment']}.chunk{ch['chunk']}.mel"], ch["finalize"]))
+            expect.setdefault(key, []).append(ref[f"stream.seg{ch['segment']}.chunk{ch['chunk']}.wav"])
+    oracle = {}
+    for key, chunks in per_stream.items():
+        hs = HiftStream(hift)
+        oracle[key] = [hs.push(m, fin) for m, fin in chunks]
+    rounds = max(len(c) for c in per_stream.values())
+    worst = 0.0
+    for k in range(rounds):
+        keys = [key for key, c in per_stream.items() if k < len(c)]
+        outs = runner.run([HiftJob(key, *per_stream[key][k]) for key in keys])
+        for key, got in zip(keys, outs):
+            torch.testing.assert_close(got, expect[key][k], rtol=0, atol=WAV_ATOL)
+            worst = max(worst, (got - oracle[key][k]).abs().max().item())
+    assert worst <= TOL
+    assert runner.active() == 0
+
+
+def test_batched_equals_per_request(hift):
+    plans = {"a": [50, 100, 200, 30], "b": [60, 7, 200], "c": [300], "d": [20, 20, 20, 20, 20]}
+    mels = {k: random_mel(sum(h), 10 + i) for i, (k, h) in enumerate(plans.items())}
+
+    def jobs_at(k):
+        out = []
+        for rid, hops in plans.items():
+            if k < len(hops):
+                a = sum(hops[:k])
+                out.append(HiftJob(rid, mels[rid][:, :, a:a + hops[k]], k == len(hops) - 1))
+        return out
+
+    together = HiftRunner(hift)
+    alone = HiftRunner(hift, max_batch=1)
+    for k in range(5):
+        jobs = jobs_at(k)
+        both = together.run(jobs)
+        single = [alone.run([j])[0] for j in jobs]
+        for x, y in zip(both, single):
+            assert x.shape == y.shape
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+def test_full_response_mode(hift, reference_dir):
+    runner = HiftRunner(hift)
+    refs = [load_ref(reference_dir, row) for row in ROWS]
+    mels = [r["nonstream.seg0.mel"] for r in refs]
+    outs = runner.run([HiftJob(i, m, True) for i, m in enumerate(mels)])
+    for m, r, got in zip(mels, refs, outs):
+        official, _ = hift.inference(m, finalize=True)
+        torch.testing.assert_close(got, official, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, r["nonstream.seg0.wav"], rtol=0, atol=WAV_ATOL)
+
+
+def test_graph_path_with_fake_backend_equals_eager(hift):
+    from test_graph_cache import FakeBackend
+
+    backend = FakeBackend()
+    graphed = HiftRunner(hift, graphs=dict(backend=backend, capture_after=1), frame_bucket=16)
+    eager = HiftRunner(hift)
+    mels = [random_mel(n, n) for n in (70, 90, 150)]
+    for step in range(2):  # the second pass replays the captured shapes
+        jobs = [HiftJob((step, i), m, True) for i, m in enumerate(mels)]
+        for x, y in zip(graphed.run(jobs), eager.run(jobs)):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    assert backend.captures >= 1 and graphed.graphs.stats.hits >= 1
+
+
+def test_same_request_twice_in_one_call_and_release(hift):
+    mel = random_mel(160, 7)
+    ref = official_chunks(hift, mel, [80, 80])
+    runner = HiftRunner(hift)
+    outs = runner.run([HiftJob("r", mel[:, :, :80], False), HiftJob("r", mel[:, :, 80:], True)])
+    for x, y in zip(outs, ref):
+        torch.testing.assert_close(x, y, rtol=0, atol=TOL)
+    runner.run([HiftJob("s", mel[:, :, :4], False)])  # shorter than the look-ahead
+    assert runner.active() == 1
+    runner.release("s")
+    assert runner.active() == 0
+
+
+def test_does_not_touch_global_rng_and_rejects_too_long(hift):
+    runner = HiftRunner(hift)
+    state = torch.get_rng_state()
+    runner.run([HiftJob("x", random_mel(30, 8), True)])
+    assert torch.equal(torch.get_rng_state(), state)
+    limit = hift.cfg.sine_table_len // hift.samples_per_frame
+    with pytest.raises(ValueError):
+        runner.run([HiftJob("y", torch.zeros(1, 80, limit + 1), True)])
+    assert runner.active() == 0
+
+
+@pytest.mark.gpu
+def test_bounded_stream_on_cuda_equals_official(hift):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = CausalHiFTGenerator(hift.cfg, model_cfg=hift.noise_cfg)
+    model.load_state_dict(hift.state_dict())
+    model = model.cuda().eval()
+    hops = [50, 100, 200, 200, 31]
+    mel = random_mel(sum(hops), 9).cuda()
+    ref = official_chunks(model, mel, hops)
+    for graphs in (False, dict(capture_after=1)):
+        runner, pos = HiftRunner(model, graphs=graphs), 0
+        for i, (n, r) in enumerate(zip(hops, ref)):
+            got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], i == len(hops) - 1)])[0]
+            pos += n
+            torch.testing.assert_close(got, r, rtol=0, atol=TOL)

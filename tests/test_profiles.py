@@ -1,0 +1,316 @@
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+
+from cosybatch.config import SamplingConfig
+from cosybatch.profiles import (HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile, available_profiles,
+                                effective_hops, effective_sampling, load_profile, parse_override)
+
+SHIPPED = ["default", "packed_streaming", "packed_streaming_optimized_standard", "reference"]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+def err(spec, overrides=(), **kw) -> str:
+    with pytest.raises(ProfileError) as e:
+        load_profile(spec, overrides, **kw)
+    return str(e.value)
+
+
+# --- shipped profiles ------------------------------------------------------------------------
+
+
+def test_shipped_profiles_load():
+    assert set(SHIPPED) <= set(available_profiles())
+    for name in SHIPPED:
+        p = load_profile(name)
+        assert p.name == name
+        dataclasses.replace(p)  # a real frozen dataclass tree
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.ar.max_num_seqs = 1  # type: ignore[misc]
+
+
+def test_seed_profile_matches_the_anchor():
+    p = load_profile("packed_streaming_optimized_standard")
+    assert (p.engine, p.mode) == ("fast", "streaming")
+    assert (p.ar.max_num_seqs, p.codec.max_num_seqs) == (32, 32)
+    assert p.optimizations.cached_istft and p.optimizations.hift_graphs
+    o = p.optimizations
+    assert (o.hift_graph_capacity, o.hift_graph_counters, o.hift_graph_capture_after) == (32, 128, 3)
+    s = p.sampling
+    assert (s.mode, s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed, s.max_tokens) == (
+        "standard", 0.7, 0.8, 20, 1.21, 42, 2048)
+    assert dict(p.requires) == {"sampling.mode": "standard", "mode": "streaming"}
+    # inherited from packed_streaming
+    assert p.codec.flow_dtype == "bfloat16" and p.codec.hift_dtype == "float32"
+    assert p.sources[0].endswith("packed_streaming.yaml")
+    assert p.origin("ar.max_num_seqs").endswith("packed_streaming_optimized_standard.yaml")
+    assert p.origin("codec.flow_dtype").endswith("packed_streaming.yaml")
+    assert p.origin("sampling.win_size") == "default"
+
+
+def test_base_and_reference_profiles():
+    base = load_profile("packed_streaming")
+    assert (base.ar.max_num_seqs, base.codec.max_num_seqs, base.mode) == (64, 16, "streaming")
+    ref = load_profile("reference")
+    assert ref.engine == "reference"
+    assert ref.ar.dtype == ref.codec.flow_dtype == ref.codec.hift_dtype == "float32"
+    assert ref.optimizations == Optimizations() and not ref.ar.cuda_graphs
+    d = load_profile("default")
+    assert d == load_profile(None)
+    assert (d.engine, d.mode, d.sampling.mode) == ("fast", "full", "checkpoint")
+    assert d.ar.max_num_seqs >= 128 and d.codec.flow_dtype == "bfloat16" and d.codec.hift_dtype == "float32"
+
+
+def test_to_dict_round_trips_the_keys():
+    d = load_profile("packed_streaming_optimized_standard").to_dict()
+    assert d["ar"]["max_num_seqs"] == 32 and d["sampling"]["top_k"] == 20
+    assert d["requires"] == {"mode": "streaming", "sampling.mode": "standard"}
+    assert "origins" not in d
+
+
+# --- schema errors (exact messages) ----------------------------------------------------------
+
+
+def test_unknown_key_names_file_and_dotted_key(tmp_path):
+    p = write(tmp_path, "x", "ar:\n  max_num_seq: 4\n")
+    assert err(p) == f"{p}: unknown key 'ar.max_num_seq' (did you mean 'ar.max_num_seqs'?)"
+    p = write(tmp_path, "y", "turbo: true\n")
+    assert err(p) == f"{p}: unknown key 'turbo'"
+
+
+def test_wrong_types(tmp_path):
+    cases = {
+        "ar:\n  max_num_seqs: many\n": "ar.max_num_seqs: expected an integer, got str 'many'",
+        "ar:\n  max_num_seqs: 2.5\n": "ar.max_num_seqs: expected an integer, got float 2.5",
+        "ar:\n  cuda_graphs: 1\n": "ar.cuda_graphs: expected true or false, got int 1",
+        "ar:\n  max_num_seqs: true\n": "ar.max_num_seqs: expected an integer, got bool True",
+        "mode: stream\n": "mode: expected one of 'streaming', 'full', got str 'stream'",
+        "codec:\n  attention: xformers\n":
+            "codec.attention: expected one of 'auto', 'sdpa', 'varlen', 'flash', got str 'xformers'",
+        "sampling:\n  mode: standard\n  temperature: hot\n":
+            "sampling.temperature: expected a number or null, got str 'hot'",
+        "ar: 5\n": "ar: expected a mapping, got int 5",
+        "ar:\n  graph_batch_sizes: [1, two]\n":
+            "ar.graph_batch_sizes: expected a list of an integer, got list [1, 'two']",
+    }
+    for text, msg in cases.items():
+        p = write(tmp_path, "t", text)
+        assert err(p) == f"{p}: {msg}"
+
+
+def test_ints_are_fine_numbers(tmp_path):
+    p = write(tmp_path, "t", "sampling:\n  mode: standard\n  temperature: 1\n")
+    t = load_profile(p).sampling.temperature
+    assert t == 1.0 and isinstance(t, float)
+
+
+def test_value_ranges_name_their_source(tmp_path):
+    p = write(tmp_path, "t", "ar:\n  max_num_seqs: 0\n")
+    assert err(p) == f"{p}: ar.max_num_seqs: must be >= 1, got 0"
+    assert err("default", ["sampling.top_p=1.5", "sampling.mode=ras"]) == \
+        "--set sampling.top_p=1.5: sampling.top_p: must be in (0, 1], got 1.5"
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    p = write(tmp_path, "t", "- a\n- b\n")
+    assert err(p) == f"{p}: expected a mapping at the top level, got list ['a', 'b']"
+    p = write(tmp_path, "u", "ar: [\n")
+    assert err(p).startswith(f"{p}: invalid YAML:")
+
+
+def test_unknown_profile_name_lists_known_ones():
+    msg = err("no_such_profile")
+    assert msg.startswith("unknown profile 'no_such_profile'; known: default, packed_streaming,")
+    assert err("missing/file.yaml") == "profile file not found: missing/file.yaml"
+
+
+# --- inheritance ---------------------------------------------------------------------------
+
+
+def test_inherits_by_path_recursively_child_wins(tmp_path):
+    write(tmp_path, "a", "ar:\n  max_num_seqs: 8\n  max_model_len: 1000\ncodec:\n  max_num_seqs: 4\n")
+    write(tmp_path, "b", "inherits: a.yaml\nar:\n  max_num_seqs: 16\n")
+    c = write(tmp_path, "c", "inherits: ./b.yaml\ncodec:\n  max_num_seqs: 2\n")
+    p = load_profile(c)
+    assert (p.ar.max_num_seqs, p.ar.max_model_len, p.codec.max_num_seqs) == (16, 1000, 2)
+    assert [Path(s).name for s in p.sources] == ["a.yaml", "b.yaml", "c.yaml"]
+    assert p.origin("ar.max_model_len") == str(tmp_path / "a.yaml")
+
+
+def test_inherits_a_shipped_profile_by_name(tmp_path):
+    p = load_profile(write(tmp_path, "mine", "inherits: packed_streaming_optimized_standard\nar:\n  max_num_seqs: 64\n"))
+    assert p.ar.max_num_seqs == 64 and p.sampling.top_k == 20
+    assert dict(p.requires) == {"sampling.mode": "standard", "mode": "streaming"}
+
+
+def test_error_in_a_parent_names_the_parent_file(tmp_path):
+    parent = write(tmp_path, "parent", "codec:\n  flow_dtype: bf16\n")
+    child = write(tmp_path, "child", "inherits: parent.yaml\n")
+    assert err(child) == (f"{parent}: codec.flow_dtype: expected one of 'auto', 'float32', 'bfloat16', "
+                          "'float16', got str 'bf16'")
+    orphan = write(tmp_path, "orphan", "inherits: gone.yaml\n")
+    assert err(orphan) == f"profile file not found: {tmp_path / 'gone.yaml'}"
+
+
+def test_inheritance_cycle_is_detected(tmp_path):
+    write(tmp_path, "a", "inherits: b.yaml\n")
+    b = write(tmp_path, "b", "inherits: a.yaml\n")
+    msg = err(b)
+    assert msg.startswith("inheritance cycle: ") and msg.count(" -> ") == 2
+    s = write(tmp_path, "s", "inherits: s.yaml\n")
+    assert err(s) == f"inheritance cycle: {s.resolve()} -> {s.resolve()}"
+
+
+def test_bad_inherits_and_requires_values(tmp_path):
+    p = write(tmp_path, "t", "inherits: 3\n")
+    assert err(p) == f"{p}: inherits: expected a profile name or path, got int 3"
+    p = write(tmp_path, "t", "requires: [mode]\n")
+    assert err(p) == f"{p}: requires: expected a mapping of dotted keys to values, got list ['mode']"
+    p = write(tmp_path, "t", "requires:\n  sampling.moed: standard\n")
+    assert err(p) == f"{p}: requires: unknown key 'sampling.moed' (did you mean 'sampling.mode'?)"
+    p = write(tmp_path, "t", "requires:\n  mode: live\n")
+    assert err(p) == f"{p}: requires: mode: expected one of 'streaming', 'full', got str 'live'"
+
+
+def test_child_can_drop_an_inherited_requirement(tmp_path):
+    p = write(tmp_path, "t", "inherits: packed_streaming_optimized_standard\nrequires:\n  mode: null\nmode: full\n"
+              "optimizations:\n  prefix_reuse: false\n")
+    prof = load_profile(p)
+    assert prof.mode == "full" and dict(prof.requires) == {"sampling.mode": "standard"}
+
+
+# --- overrides -----------------------------------------------------------------------------
+
+
+def test_overrides_are_typed_and_validated():
+    p = load_profile("packed_streaming", ["ar.max_num_seqs=128", "codec.flow_dtype=float32",
+                                          "sampling.mode=ras", "sampling.tau_r=1e-3", "ar.kv_cache_gb=12"])
+    assert p.ar.max_num_seqs == 128 and p.codec.flow_dtype == "float32"
+    assert p.sampling.tau_r == 0.001 and p.ar.kv_cache_gb == 12.0
+    assert p.origin("ar.max_num_seqs") == "--set ar.max_num_seqs=128"
+    assert parse_override("ar.graph_batch_sizes=[1, 8]") == ("ar.graph_batch_sizes", (1, 8))
+    assert parse_override("sampling.top_k=null") == ("sampling.top_k", None)
+
+
+def test_override_errors():
+    assert err("default", ["ar.max_num_seqs=lots"]) == \
+        "--set ar.max_num_seqs=lots: ar.max_num_seqs: expected an integer, got str 'lots'"
+    assert err("default", ["ar.xyzzy=1"]) == "--set ar.xyzzy=1: unknown key 'ar.xyzzy'"
+    assert err("default", ["hops=1"]) == "--set hops=1: hops is a group; set one of its keys: hops.first, hops.max, hops.scale"
+    assert err("default", ["ar.max_num_seqs"]) == "--set ar.max_num_seqs: expected KEY=VALUE"
+    assert err("default", ["requires.mode=full"]) == \
+        "--set requires.mode=full: requires cannot be overridden; write a profile file that inherits instead"
+    assert err("default", ["inherits=reference"]) == \
+        "--set inherits=reference: inherits cannot be overridden; write a profile file that inherits instead"
+    assert err("default", ["ar.cuda_graphs=maybe"]) == \
+        "--set ar.cuda_graphs=maybe: ar.cuda_graphs: expected true or false, got str 'maybe'"
+
+
+# --- requires (anchor finding 3) -------------------------------------------------------------
+
+
+def test_requirement_violated_by_override_fails_loudly():
+    path = load_profile("packed_streaming_optimized_standard").sources[-1]
+    msg = err("packed_streaming_optimized_standard", ["sampling.mode=ras", "sampling.temperature=null",
+                                                     "sampling.repetition_penalty=null"])
+    assert msg == (f"profile 'packed_streaming_optimized_standard' ({path}) requires sampling.mode=standard, "
+                   "got sampling.mode=ras (from --set sampling.mode=ras)")
+    msg = err("packed_streaming_optimized_standard", ["mode=full"])
+    assert msg == (f"profile 'packed_streaming_optimized_standard' ({path}) requires mode=streaming, "
+                   "got mode=full (from --set mode=full)")
+
+
+def test_stream_flag_is_an_override_checked_by_requires():
+    path = load_profile("packed_streaming_optimized_standard").sources[-1]
+    assert err("packed_streaming_optimized_standard", stream=False) == (
+        f"profile 'packed_streaming_optimized_standard' ({path}) requires mode=streaming, "
+        "got mode=full (from --no-stream)")
+    assert load_profile("packed_streaming_optimized_standard", stream=True).mode == "streaming"
+    p = load_profile("default", stream=True)
+    assert p.mode == "streaming" and p.origin("mode") == "--stream"
+
+
+# --- no silent overrides (anchor finding 4) --------------------------------------------------
+
+
+def test_hift_graphs_need_cached_istft_explicitly():
+    path = load_profile("packed_streaming").sources[-1]
+    msg = err("packed_streaming", ["optimizations.hift_graphs=true"])
+    assert msg == (f"profile 'packed_streaming' ({path}): optimizations.hift_graphs=true "
+                   "(from --set optimizations.hift_graphs=true) requires optimizations.cached_istft=true "
+                   "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")
+    p = load_profile("packed_streaming", ["optimizations.hift_graphs=true", "optimizations.cached_istft=true"])
+    assert p.optimizations.hift_graphs and p.optimizations.cached_istft
+
+
+def test_reference_engine_refuses_fast_settings():
+    path = load_profile("reference").sources[-1]
+    msg = err("reference", ["ar.max_num_seqs=8"])
+    assert msg == (f"profile 'reference' ({path}): engine=reference runs the exact one-request path and does "
+                   "not use ar.max_num_seqs=8 (from --set ar.max_num_seqs=8); unset it or use engine=fast")
+    msg = err("packed_streaming", ["engine=reference"])
+    assert "does not use ar.dtype=bfloat16 (from " in msg and "codec.flow_dtype=bfloat16" in msg
+    assert "ar.max_num_seqs" not in msg  # 64 is the schema default: nothing to ignore
+
+
+def test_sampling_parameters_unused_by_the_mode_are_errors():
+    path = load_profile("default").sources[-1]
+    assert err("default", ["sampling.top_k=20"]) == (
+        f"profile 'default' ({path}): sampling.top_k=20 (from --set sampling.top_k=20) is not used by "
+        f"sampling.mode=checkpoint (from {path}); set it to null or pick a mode that uses it")
+    msg = err("default", ["sampling.mode=standard", "sampling.win_size=5"])
+    assert "sampling.win_size=5" in msg and "sampling.mode=standard" in msg
+    msg = err("default", ["sampling.mode=ras", "sampling.temperature=0.7"])
+    assert "sampling.temperature=0.7" in msg and "not used by sampling.mode=ras" in msg
+
+
+def test_streaming_only_optimizations_and_hop_order():
+    msg = err("default", ["optimizations.chunk_causal_final=true"])
+    assert "optimizations.chunk_causal_final=true" in msg and "applies only to mode=streaming, got mode=full" in msg
+    msg = err("packed_streaming", ["hops.first=50", "hops.max=25"])
+    assert "hops.max=25 (from --set hops.max=25) must be >= hops.first=50" in msg
+    msg = err("packed_streaming", ["optimizations.hift_graph_counters=8"])
+    assert "optimizations.hift_graph_counters=8" in msg and "must be >= optimizations.hift_graph_capacity=32" in msg
+
+
+# --- what the engine gets ------------------------------------------------------------------
+
+
+def test_effective_sampling(caplog):
+    ckpt = SamplingConfig(top_p=0.7, top_k=11, win_size=7, tau_r=0.2)
+    with caplog.at_level(logging.INFO, logger="cosybatch.profiles"):
+        e = effective_sampling(SamplingProfile(mode="checkpoint", seed=3), ckpt)
+    assert (e.mode, e.top_p, e.top_k, e.win_size, e.tau_r, e.seed) == ("ras", 0.7, 11, 7, 0.2, 3)
+    assert e.ras_config() == ckpt
+    assert "from the checkpoint's yaml" in caplog.text
+    e = effective_sampling(SamplingProfile(mode="ras", top_k=5), ckpt)
+    assert (e.top_k, e.top_p) == (5, 0.7)
+    s = load_profile("packed_streaming_optimized_standard").sampling
+    e = effective_sampling(s, ckpt)
+    assert (e.mode, e.temperature, e.top_p, e.top_k, e.repetition_penalty, e.max_tokens) == (
+        "standard", 0.7, 0.8, 20, 1.21, 2048)
+    e = effective_sampling(SamplingProfile(mode="standard"), ckpt)
+    assert (e.temperature, e.top_p, e.top_k, e.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+def test_effective_hops():
+    assert effective_hops(HopsProfile(), 25) == (25, 100, 2)
+    # The official schedule is 25 -> 100 whatever the checkpoint's chunk size (spec decision 3).
+    assert effective_hops(HopsProfile(), 10) == (25, 100, 2)
+    assert effective_hops(HopsProfile(first=50, max=200, scale=3), 25) == (50, 200, 3)
+    assert effective_hops(HopsProfile(first=30), 25) == (30, 100, 2)
+    with pytest.raises(ProfileError, match=r"hops.max=20 must be >= hops.first=30"):
+        effective_hops(HopsProfile(first=30, max=20), 25)
+
+
+def test_profile_get_and_default_tree():
+    p = Profile()
+    assert p.get("ar.max_num_seqs") == 64 and p.get("mode") == "full"
+    assert p.optimizations.chunk_causal_final is False
