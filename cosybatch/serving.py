@@ -154,10 +154,20 @@ class FastPipeline:
         s = self.sampling
         # Each segment gets its own stream of random numbers, derived from the row's seed.
         seed = (s.seed * 1_000_003 + _stable_hash(req.request_id) * 101 + seg) % (2**63)
-        kw = dict(seed=seed, enforce_min_len=s.enforce_min_len, force_length=req.force_tokens)
+        kw = dict(seed=seed, enforce_min_len=s.enforce_min_len, force_length=self._forced(req, seg),
+                  max_tokens=s.max_tokens)
         if s.mode == "standard":
             return SamplingParams.standard(s.temperature, s.top_p, s.top_k, s.repetition_penalty, **kw)
         return SamplingParams.ras(s.ras_config(), **kw)
+
+    def _forced(self, req: SynthRequest, seg: int) -> int | None:
+        """A row's forced token count, split over its segments by their text length."""
+        if req.force_tokens is None:
+            return None
+        lens = [len(t) for t in self._rows[req.request_id].segments]
+        before = sum(lens[:seg])
+        share = lambda n: round(req.force_tokens * n / sum(lens))  # noqa: E731
+        return max(1, share(before + lens[seg]) - share(before))
 
     def _start_segment(self, row: _Row) -> None:
         row.tokens, row.llm_done, row.in_codec = [], False, False

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -128,9 +129,102 @@ def bench_stream(runner, cfg, rows, device, tag):
     return res
 
 
+def profile_full(flow, cfg, dtype, args, budget):
+    """Top GPU kernels of one eager full pass: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget)
+    rows = make_rows(cfg, args.profile, args.full_prompt, args.full_target, args.device, seed=1)
+    jobs = [FlowJob(("prof", i), tok, pr) for i, (pr, tok) in enumerate(rows)]
+    runner.run(jobs)
+    sync(args.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        runner.run(jobs)
+        sync(args.device)
+    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+
+
+def bench_conv(flow, dtype, args, frames=34000, reps=10):
+    """The two causal position convs over one packed layout: module form vs channels-last."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from cosybatch.codec.dit_step import ConvPositionEmbed
+
+    dit = copy.deepcopy(flow.decoder.estimator).to(dtype)
+    pe = dit.input_embed.conv_pos_embed
+    h = torch.randn(frames, dit.cfg.dim, device=args.device, dtype=dtype)
+    valid = torch.ones(frames, device=args.device, dtype=dtype)
+    cl = ConvPositionEmbed(dit)
+
+    def ncl():
+        y = pe.conv1(F.pad(h.t().unsqueeze(0), (pe.kernel - 1, 0))) * valid
+        return pe.conv2(F.pad(y, (pe.kernel - 1, 0)))[0].t() + h
+
+    for name, fn in (("conv1d NCL", ncl), ("conv2d channels-last", lambda: cl(h, valid))):
+        fn()
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(args.device)
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        gflop = 2 * 2 * frames * dit.cfg.dim * (dit.cfg.dim // dit.cfg.conv_pos_groups) * dit.cfg.conv_pos_kernel / 1e9
+        print(f"conv   {name:22s} {frames} frames: {ms:7.2f} ms ({gflop / ms:6.1f} TFLOP/s)", flush=True)
+    d = (ncl() - cl(h, valid)).abs().max().item()
+    print(f"conv   max |NCL - channels-last| = {d:.3e}", flush=True)
+
+
 def per_output_second(r):
     sec = r["output_frames"] / FRAMES_PER_SECOND
     return r["flops"] / sec, r["seconds"] / sec
+
+
+def _guard(what, fn, *a):
+    """Run one benchmark section; a failure is reported and the others still run."""
+    try:
+        return fn(*a)
+    except Exception:  # noqa: BLE001 - a benchmark should report every section it can
+        print(f"!! section {what} failed:\n{traceback.format_exc()}", flush=True)
+        return None
+
+
+def section_full(runner, cfg, args, n, label, results):
+    rows = make_rows(cfg, n, args.full_prompt, args.full_target, args.device, seed=n)
+    r = bench_full(runner, cfg, rows, args.device, args.reps, n)
+    r.update(mode=label, jobs=n, backend=runner.backend.name)
+    r["tflops"] = r["flops"] / r["seconds"] / 1e12
+    r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    r["audio_s_per_s"] = r["output_frames"] / FRAMES_PER_SECOND / r["seconds"]
+    results["full"].append(r)
+    print(f"full   {label:8s} jobs={n:4d} tokens={r['tokens']:6d} {r['seconds'] * 1e3:8.1f} ms "
+          f"{r['tokens_per_s'] / 1e3:8.1f} k tok/s {r['tflops']:6.1f} TFLOP/s {r['audio_s_per_s']:7.1f} audio-s/s", flush=True)
+
+
+def section_stream(runner, flow, cfg, dtype, budget, args, label, compiled, results):
+    rows = make_rows(cfg, args.stream_rows, args.prompt_tokens, args.target_tokens, args.device, seed=7)
+    full = bench_full(runner, cfg, rows, args.device, 1, "stream-base")
+    bench_stream(runner, cfg, rows, args.device, "warm")  # warm-up: shapes, allocator, compile
+    variants = [("reuse", runner)]
+    if not args.no_baseline and not compiled:
+        variants.append(("recompute", FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=0)))
+    f_full, s_full = per_output_second(full)
+    for name, rr in variants:
+        res = bench_stream(rr, cfg, rows, args.device, "timed")
+        hops = res["hops"]
+        f_hop, s_hop = per_output_second(hops)
+        entry = {"mode": label, "variant": name, "rows": args.stream_rows, "full_pass": full, **res,
+                 "flop_ratio_vs_full": f_hop / f_full, "time_ratio_vs_full": s_hop / s_full,
+                 "hop_tflops": hops["flops"] / hops["seconds"] / 1e12,
+                 "kv_cache_gb": rr.cache.allocated_bytes / 2**30}
+        results["stream"].append(entry)
+        print(f"stream {label:8s} {name:9s} rows={args.stream_rows} hops: {hops['calls']} calls {hops['seconds'] * 1e3:8.1f} ms "
+              f"{entry['hop_tflops']:6.1f} TFLOP/s; per output s vs full pass: work x{entry['flop_ratio_vs_full']:.3f}, "
+              f"time x{entry['time_ratio_vs_full']:.3f}; final hops {res['final']['seconds'] * 1e3:.1f} ms; "
+              f"K/V arena {entry['kv_cache_gb']:.1f} GiB", flush=True)
 
 
 def main(argv=None):
@@ -149,6 +243,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prefix-budget-gb", type=float, default=64.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the streaming run without reuse")
+    ap.add_argument("--profile", type=int, default=0, help="profile one eager full pass of this many jobs (top kernels)")
+    ap.add_argument("--stream-compiled", action="store_true", help="also time streaming with the compiled runner")
+    ap.add_argument("--conv", action="store_true", help="time the position convs: NCL conv1d vs the channels-last form")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -165,42 +262,24 @@ def main(argv=None):
         results["gpu"] = torch.cuda.get_device_name()
     print(f"# flow bench: size={args.size} dtype={args.dtype} device={args.device} token GFLOP/pass={token_flops(cfg) / 1e9:.4f}", flush=True)
 
+    if args.conv:
+        _guard("conv", bench_conv, flow, dtype, args)
+    if args.profile:
+        _guard("profile", profile_full, flow, cfg, dtype, args, budget)
     for compiled in modes:
         t0 = time.perf_counter()
-        runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled)
         label = "compiled" if compiled else "eager"
+        runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled)
         for n in [int(x) for x in args.full_jobs.split(",") if x]:
-            rows = make_rows(cfg, n, args.full_prompt, args.full_target, args.device, seed=n)
-            r = bench_full(runner, cfg, rows, args.device, args.reps, n)
-            r.update(mode=label, jobs=n, backend=runner.backend.name)
-            r["tflops"] = r["flops"] / r["seconds"] / 1e12
-            r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            r["audio_s_per_s"] = r["output_frames"] / FRAMES_PER_SECOND / r["seconds"]
-            results["full"].append(r)
-            print(f"full   {label:8s} jobs={n:4d} tokens={r['tokens']:6d} {r['seconds'] * 1e3:8.1f} ms "
-                  f"{r['tokens_per_s'] / 1e3:8.1f} k tok/s {r['tflops']:6.1f} TFLOP/s {r['audio_s_per_s']:7.1f} audio-s/s", flush=True)
-
-        rows = make_rows(cfg, args.stream_rows, args.prompt_tokens, args.target_tokens, args.device, seed=7)
-        full = bench_full(runner, cfg, [(p, t) for p, t in rows], args.device, 1, "stream-base")
-        bench_stream(runner, cfg, rows, args.device, "warm")  # warm-up: shapes, allocator, compile
-        variants = [("reuse", runner)]
-        if not args.no_baseline and not compiled:
-            variants.append(("recompute", FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=0)))
-        f_full, s_full = per_output_second(full)
-        for name, rr in variants:
-            res = bench_stream(rr, cfg, rows, args.device, "timed")
-            hops = res["hops"]
-            f_hop, s_hop = per_output_second(hops)
-            entry = {"mode": label, "variant": name, "rows": args.stream_rows, "full_pass": full, **res,
-                     "flop_ratio_vs_full": f_hop / f_full, "time_ratio_vs_full": s_hop / s_full,
-                     "hop_tflops": hops["flops"] / hops["seconds"] / 1e12,
-                     "kv_cache_gb": rr.cache.allocated_bytes / 2**30}
-            results["stream"].append(entry)
-            print(f"stream {label:8s} {name:9s} rows={args.stream_rows} hops: {hops['calls']} calls {hops['seconds'] * 1e3:8.1f} ms "
-                  f"{entry['hop_tflops']:6.1f} TFLOP/s; per output s vs full pass: work x{entry['flop_ratio_vs_full']:.3f}, "
-                  f"time x{entry['time_ratio_vs_full']:.3f}; final hops {res['final']['seconds'] * 1e3:.1f} ms; "
-                  f"K/V arena {entry['kv_cache_gb']:.1f} GiB", flush=True)
+            _guard(f"full {label} {n}", section_full, runner, cfg, args, n, label, results)
+        if not compiled or args.stream_compiled:
+            _guard(f"stream {label}", section_stream, runner, flow, cfg, dtype, budget, args, label, compiled, results)
         print(f"# {label} section took {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.json:  # after every section, so a run cut short still leaves its figures
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        del runner
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     if args.device.startswith("cuda"):
         results["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         print(f"# peak GPU memory {results['max_memory_gb']:.1f} GiB")

@@ -13,7 +13,6 @@ from cosybatch.reference.token2wav import HiftStream
 from conftest import ROWS, load_ref
 
 TOL = 1e-4  # the brief's bound for the bounded-window stream vs the official re-run
-WAV_ATOL = 2e-4  # fixture tolerance (tests/test_hift.py)
 
 
 @pytest.fixture(scope="module")
@@ -93,30 +92,33 @@ def test_source_from_frame_zero_is_bit_exact(hift):
     assert torch.equal(got, ref)
 
 
-def test_left_context_is_sufficient_and_needed(hift):
+@pytest.fixture(scope="module")
+def long_stream(hift):
+    """A stream much longer than the receptive field, hops not aligned to anything."""
+    mel, hops = random_mel(170, 5), [37, 50, 13, 70]
+    return mel, hops, official_chunks(hift, mel, hops)
+
+
+def stream_max_diff(runner, mel, hops, ref):
+    pos, worst = 0, 0.0
+    for i, (n, r) in enumerate(zip(hops, ref)):
+        got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], i == len(hops) - 1)])[0]
+        pos += n
+        assert got.shape == r.shape
+        worst = max(worst, (got - r).abs().max().item() if r.numel() else 0.0)
+    return worst
+
+
+def test_left_context_is_sufficient_and_needed(hift, long_stream):
     f0_ctx, dec_ctx = left_context(hift)
     assert f0_ctx == 8 and dec_ctx > f0_ctx
-    mel, hops = random_mel(400, 5), [37, 50, 100, 100, 13, 100]
-    ref = official_chunks(hift, mel, hops)
-
-    def stream(runner):
-        pos, diffs = 0, []
-        for i, (n, r) in enumerate(zip(hops, ref)):
-            got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], i == len(hops) - 1)])[0]
-            pos += n
-            assert got.shape == r.shape
-            diffs.append((got - r).abs().max().item() if r.numel() else 0.0)
-        return max(diffs)
-
-    assert stream(HiftRunner(hift)) <= TOL
-    assert stream(HiftRunner(hift, context_frames=dec_ctx // 2)) > 1e-3  # too short a window
+    assert stream_max_diff(HiftRunner(hift, context_frames=dec_ctx // 2), *long_stream) > 1e-3
 
 
-# ---------------------------------------------------------------------------- streams
-@pytest.mark.parametrize("hops", [[50, 100, 200, 200, 7], [8, 1, 40, 3, 99, 61], [120], [9, 120, 33]])
-def test_bounded_stream_equals_official_rerun(hift, hops):
-    mel = random_mel(sum(hops), sum(hops))
-    ref = official_chunks(hift, mel, hops)
+@pytest.mark.parametrize("hops", [None, [50, 60, 7], [8, 1, 40, 3, 30], [9, 90]])
+def test_bounded_stream_equals_official_rerun(hift, long_stream, hops):
+    mel, hops, ref = long_stream if hops is None else (random_mel(sum(hops), sum(hops)), hops, None)
+    ref = ref or official_chunks(hift, mel, hops)
     runner = HiftRunner(hift)
     f0_ctx, dec_ctx = left_context(hift)
     bound = f0_ctx + dec_ctx + hift.f0_predictor.look_ahead + hift.cfg.conv_pre_look_right + 1
@@ -144,24 +146,18 @@ def test_fixture_rows_streamed_together(hift, reference_dir):
             per_stream.setdefault(key, []).append(
                 (ref[f"stream.seg{ch['segment']}.chunk{ch['chunk']}.mel"], ch["finalize"]))
             expect.setdefault(key, []).append(ref[f"stream.seg{ch['segment']}.chunk{ch['chunk']}.wav"])
-    oracle = {}
-    for key, chunks in per_stream.items():
-        hs = HiftStream(hift)
-        oracle[key] = [hs.push(m, fin) for m, fin in chunks]
     rounds = max(len(c) for c in per_stream.values())
-    worst = 0.0
     for k in range(rounds):
         keys = [key for key, c in per_stream.items() if k < len(c)]
         outs = runner.run([HiftJob(key, *per_stream[key][k]) for key in keys])
         for key, got in zip(keys, outs):
-            torch.testing.assert_close(got, expect[key][k], rtol=0, atol=WAV_ATOL)
-            worst = max(worst, (got - oracle[key][k]).abs().max().item())
-    assert worst <= TOL
+            # the official outputs themselves (1 thread); other thread counts move them ~1e-5
+            torch.testing.assert_close(got, expect[key][k], rtol=0, atol=TOL)
     assert runner.active() == 0
 
 
 def test_batched_equals_per_request(hift):
-    plans = {"a": [50, 100, 200, 30], "b": [60, 7, 200], "c": [300], "d": [20, 20, 20, 20, 20]}
+    plans = {"a": [50, 70, 30], "b": [60, 7, 60], "c": [110], "d": [20, 20, 20, 20, 20]}
     mels = {k: random_mel(sum(h), 10 + i) for i, (k, h) in enumerate(plans.items())}
 
     def jobs_at(k):
@@ -180,18 +176,19 @@ def test_batched_equals_per_request(hift):
         single = [alone.run([j])[0] for j in jobs]
         for x, y in zip(both, single):
             assert x.shape == y.shape
-            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+            # float32 convs round differently with the batch size (oneDNN): ~1e-5 here
+            torch.testing.assert_close(x, y, rtol=0, atol=TOL)
 
 
 def test_full_response_mode(hift, reference_dir):
     runner = HiftRunner(hift)
-    refs = [load_ref(reference_dir, row) for row in ROWS]
+    refs = [load_ref(reference_dir, row) for row in ROWS[:3]]
     mels = [r["nonstream.seg0.mel"] for r in refs]
     outs = runner.run([HiftJob(i, m, True) for i, m in enumerate(mels)])
     for m, r, got in zip(mels, refs, outs):
         official, _ = hift.inference(m, finalize=True)
-        torch.testing.assert_close(got, official, rtol=0, atol=1e-5)
-        torch.testing.assert_close(got, r["nonstream.seg0.wav"], rtol=0, atol=WAV_ATOL)
+        torch.testing.assert_close(got, official, rtol=0, atol=TOL)
+        torch.testing.assert_close(got, r["nonstream.seg0.wav"], rtol=0, atol=TOL)
 
 
 def test_graph_path_with_fake_backend_equals_eager(hift):
@@ -200,19 +197,31 @@ def test_graph_path_with_fake_backend_equals_eager(hift):
     backend = FakeBackend()
     graphed = HiftRunner(hift, graphs=dict(backend=backend, capture_after=1), frame_bucket=16)
     eager = HiftRunner(hift)
-    mels = [random_mel(n, n) for n in (70, 90, 150)]
+    mels = [random_mel(n, n) for n in (40, 50, 70)]
     for step in range(2):  # the second pass replays the captured shapes
         jobs = [HiftJob((step, i), m, True) for i, m in enumerate(mels)]
         for x, y in zip(graphed.run(jobs), eager.run(jobs)):
-            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+            torch.testing.assert_close(x, y, rtol=0, atol=TOL)
     assert backend.captures >= 1 and graphed.graphs.stats.hits >= 1
 
 
+def test_precapture_serves_the_first_request(hift):
+    from test_graph_cache import FakeBackend
+
+    backend = FakeBackend()
+    runner = HiftRunner(hift, graphs=dict(backend=backend, capture_after=3), frame_bucket=16)
+    assert runner.precapture([(3, 40)]) == 1  # 3 rows -> 4, 40 frames -> 48
+    outs = runner.run([HiftJob(i, random_mel(n, n), True) for i, n in enumerate((30, 35, 40))])
+    assert [o.shape[1] for o in outs] == [n * hift.samples_per_frame for n in (30, 35, 40)]
+    st = runner.graphs.stats
+    assert (st.precaptures, st.hits, st.eager, backend.captures) == (1, 1, 0, 1)
+
+
 def test_same_request_twice_in_one_call_and_release(hift):
-    mel = random_mel(160, 7)
-    ref = official_chunks(hift, mel, [80, 80])
+    mel = random_mel(100, 7)
+    ref = official_chunks(hift, mel, [60, 40])
     runner = HiftRunner(hift)
-    outs = runner.run([HiftJob("r", mel[:, :, :80], False), HiftJob("r", mel[:, :, 80:], True)])
+    outs = runner.run([HiftJob("r", mel[:, :, :60], False), HiftJob("r", mel[:, :, 60:], True)])
     for x, y in zip(outs, ref):
         torch.testing.assert_close(x, y, rtol=0, atol=TOL)
     runner.run([HiftJob("s", mel[:, :, :4], False)])  # shorter than the look-ahead
@@ -233,16 +242,21 @@ def test_does_not_touch_global_rng_and_rejects_too_long(hift):
 
 
 @pytest.mark.gpu
-def test_bounded_stream_on_cuda_equals_official(hift):
+@pytest.mark.parametrize("size", ["small", "full"])
+def test_bounded_stream_on_cuda_equals_official(size):
+    """Module-initialised weights (fixtures do not travel to the GPU box), f0 ~ 150 Hz."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = CausalHiFTGenerator(hift.cfg, model_cfg=hift.noise_cfg)
-    model.load_state_dict(hift.state_dict())
+    cfg = HiFTConfig() if size == "full" else HiFTConfig(base_channels=64, f0_cond_channels=32)
+    torch.manual_seed(0)
+    model = CausalHiFTGenerator(cfg)
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias.fill_(150.0)
     model = model.cuda().eval()
     hops = [50, 100, 200, 200, 31]
-    mel = random_mel(sum(hops), 9).cuda()
+    mel = (random_mel(sum(hops), 9, scale=1.0) - 5).cuda()
     ref = official_chunks(model, mel, hops)
     for graphs in (False, dict(capture_after=1)):
         runner, pos = HiftRunner(model, graphs=graphs), 0
@@ -250,3 +264,9 @@ def test_bounded_stream_on_cuda_equals_official(hift):
             got = runner.run([HiftJob("a", mel[:, :, pos:pos + n], i == len(hops) - 1)])[0]
             pos += n
             torch.testing.assert_close(got, r, rtol=0, atol=TOL)
+        if graphs:
+            assert runner.graphs.stats.captures >= 1
+    other = [(random_mel(n, n, scale=1.0) - 5).cuda() for n in (80, 130, 200)]
+    batched = HiftRunner(model).run([HiftJob(i, m, True) for i, m in enumerate(other)])
+    for m, got in zip(other, batched):
+        torch.testing.assert_close(got, model.inference(m)[0], rtol=0, atol=TOL)

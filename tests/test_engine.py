@@ -348,6 +348,16 @@ def test_rows_are_independent_of_batch_composition():
     assert torch.equal(together, alone) and torch.equal(shuffled, together[perm])
 
 
+def test_never_bound_rows_sample_valid_ids():
+    # padding rows of a decode bucket are sampled (and ignored) before any request used them
+    s = _sampler(rows=6)
+    x = torch.cat([_logits(300, s.vocab_padded, i) for i in range(6)])
+    n_gen = torch.zeros(6, dtype=torch.long)
+    toks = s.sample(x, slice(0, 6), n_gen)
+    s.record(slice(0, 6), n_gen, toks)
+    assert int(toks.min()) >= 0 and int(toks.max()) < 300
+
+
 def test_rng_is_a_pure_function():
     lo, hi = split_seed(2**40 + 77)
     steps = torch.arange(1000)

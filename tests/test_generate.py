@@ -148,7 +148,8 @@ def test_onnx_contract(tiny):
         m = onnx.load(str(tiny / name))
         assert m.ir_version == 8 and [(o.domain, o.version) for o in m.opset_import] == [("", 17)]
     st = ort.InferenceSession(str(tiny / "speech_tokenizer_v3.onnx"), **opts)
-    assert [(i.name, i.type) for i in st.get_inputs()] == [("feats", "tensor(float)"), ("feats_length", "tensor(int32)")]
+    inputs = [(i.name, i.type) for i in st.get_inputs()]
+    assert inputs == [("feats", "tensor(float)"), ("feats_length", "tensor(int32)")]
     assert [(o.name, o.type) for o in st.get_outputs()] == [("indices", "tensor(int32)")]
     rng = np.random.default_rng(0)
     for t in (1, 4, 5, 317):
@@ -157,7 +158,8 @@ def test_onnx_contract(tiny):
         assert out.dtype == np.int32 and out.shape == (1, math.ceil(t / 4))
         assert out.min() >= 0 and out.max() < 6561
     assert len(np.unique(out)) > 20  # varied codes, not a constant
-    batch = st.run(None, {"feats": np.concatenate([feats, feats]), "feats_length": np.array([317, 317], np.int32)})[0]
+    pair = {"feats": np.concatenate([feats, feats]), "feats_length": np.array([317, 317], np.int32)}
+    batch = st.run(None, pair)[0]
     assert batch.shape == (2, 80) and np.array_equal(batch[0], out[0])
 
     cp = ort.InferenceSession(str(tiny / "campplus.onnx"), **opts)
@@ -180,8 +182,8 @@ def test_small_runs_sanely(tmp_path):
     tok = torch.randint(0, 6561, (1, 12), generator=g)
     ptok = torch.randint(0, 6561, (1, 6), generator=g)
     with torch.inference_mode():
-        mel = m.flow.inference(tok, ptok, torch.randn(1, 12, 80, generator=g), torch.randn(1, 192, generator=g),
-                               streaming=False, finalize=True)
+        prompt_mel, spk = torch.randn(1, 12, 80, generator=g), torch.randn(1, 192, generator=g)
+        mel = m.flow.inference(tok, ptok, prompt_mel, spk, streaming=False, finalize=True)
         wav, _ = m.hift.inference(mel, finalize=True)
     assert mel.shape == (1, 80, 24) and torch.isfinite(mel).all()
     assert torch.isfinite(wav).all() and (wav.abs() >= 0.99).float().mean() < 0.05

@@ -201,10 +201,14 @@ def test_cuda_capture_failure_is_survived(caplog):
 
     cache = GraphCache(syncs_in_capture, capture_after=1, backend=CudaGraphBackend())
     x = torch.randn(1, 8, 33, device=dev)
+    stream, rng = torch.cuda.current_stream(), torch.cuda.get_rng_state()
     with caplog.at_level(logging.WARNING, logger="cosybatch.codec.graph_cache"):
         out = cache(x)
     torch.testing.assert_close(out, base(x), rtol=0, atol=1e-6)
     assert cache.stats.failures == 1 and "capture failed" in caplog.text
+    # the caller's stream and the CUDA RNG survive the failed capture
+    assert torch.cuda.current_stream() == stream
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
     y = torch.randn(1, 8, 40, device=dev)  # the next capture still works
     torch.testing.assert_close(cache(y), base(y), rtol=0, atol=1e-6)
     torch.testing.assert_close(cache(y * 2), base(y * 2), rtol=0, atol=1e-6)

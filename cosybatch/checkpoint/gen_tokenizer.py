@@ -33,7 +33,8 @@ When the weather is warm, they walk along the harbour and watch the boats sailin
 He said: "It's not what you say, it's how you say it." Then he smiled and opened the window.
 Numbers such as 1, 2, 3, 10, 42 and 2024 appear in dates, prices and phone numbers everywhere.
 Good afternoon! How are you today? I'm fine, thank you. Let's meet again next Wednesday at five.
-You are a helpful assistant. The system reads each sentence, splits long paragraphs into pieces, and speaks them one by one.
+You are a helpful assistant. The system reads each sentence, splits long paragraphs into
+pieces, and speaks them one by one.
 Scientists measured the temperature of the water and the speed of the wind during the storm.
 Her garden was full of roses, tulips and tall green trees, and birds were singing all day long.
 """

@@ -7,10 +7,11 @@ real download.
 
 Random weights produce noise, not speech.  The LLM has no notion of the text it reads, so its
 stop is random too: only eos is a live stop row, tuned to end an utterance after ~100 tokens
-on average under the official sampling (geometric, capped at ``max_len`` = 20 x text tokens,
-and possibly at step 0 since the official min_len rule does not mask eos).  Benchmarks that
-need realistic, text-dependent lengths must force them.  Writing ``full`` takes ~30-60 s and
-~2.3 GB of memory (one state dict at a time).
+on average at ``full`` under the official sampling (~65 at ``small``; geometric-like, capped at
+``max_len`` = 20 x text tokens, possibly at step 0 since the official min_len rule does not
+mask eos; tiny's greedy decoding may instead loop until ``max_len``).  Benchmarks that
+need realistic, text-dependent lengths must force them.  Writing ``full`` takes ~15-60 s and
+~2.3-2.8 GB of memory (one state dict at a time).
 """
 
 from __future__ import annotations

@@ -99,6 +99,12 @@ def _cu_with_gaps(launch: Launch, n_keys: int) -> tuple[list[int], list[int]]:
     return cu_q, cu_k
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Varlen kernels need unit stride on the head dim only; q/k/v views of the fused q/k/v
+    buffer (row stride 3*inner) are passed as they are."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class _VarlenBase:
     def prepare(self, launch: Launch, n_keys: int, device) -> dict:
         cu_q, cu_k = _cu_with_gaps(launch, n_keys)
@@ -111,15 +117,37 @@ class _VarlenBase:
 
 
 class TorchVarlenBackend(_VarlenBase):
+    """torch's FlashAttention-2 varlen kernel. Called through the aten op when it accepts the
+    arguments (the public ``varlen_attn`` wrapper is a Python custom op whose dispatch cost
+    shows at hundreds of launches per Euler step); falls back to the wrapper, and to
+    contiguous inputs, if this torch build refuses."""
+
     name = "varlen"
 
     def __init__(self):
         from torch.nn.attention.varlen import varlen_attn
 
-        self._fn = varlen_attn
+        self._public = varlen_attn
+        self._direct = True
+        self._strided = True
+
+    def _call(self, q, k, v, prep):
+        if self._direct:
+            try:
+                return torch.ops.aten._flash_attention_forward(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"], 0.0, False, False)[0]
+            except (RuntimeError, TypeError) as e:
+                log.warning("aten flash varlen call refused (%s); using torch.nn.attention.varlen", e)
+                self._direct = False
+        return self._public(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"])
 
     def run(self, q, k, v, prep):
-        return self._fn(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"])
+        if self._strided:
+            try:
+                return self._call(_rows(q), _rows(k), _rows(v), prep)
+            except RuntimeError as e:
+                log.warning("varlen kernel refused strided inputs (%s); copying them", e)
+                self._strided = False
+        return self._call(q.contiguous(), k.contiguous(), v.contiguous(), prep)
 
 
 class FlashAttnBackend(_VarlenBase):
@@ -131,7 +159,7 @@ class FlashAttnBackend(_VarlenBase):
         self._fn = flash_attn_varlen_func
 
     def run(self, q, k, v, prep):
-        return self._fn(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"], causal=False)
+        return self._fn(_rows(q), _rows(k), _rows(v), prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"], causal=False)
 
 
 def _varlen_available() -> bool:

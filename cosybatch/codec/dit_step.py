@@ -1,9 +1,11 @@
 """The DiT's per-token math as plain functions of tensors, for the packed runner.
 
-Same operations, same order as ``DiTBlock.attn_inputs`` / ``attn_outputs`` and the input
-embedding in ``cosybatch.models.dit``; written over explicit weights so that one
-``torch.compile`` graph serves every block (compiling bound methods would specialise on each
-block and hit the recompile limit).
+Same operations as ``DiTBlock.attn_inputs`` / ``attn_outputs`` and the input embedding in
+``cosybatch.models.dit``, rearranged for speed without changing the math: q/k/v come from one
+fused GEMM, the head-0 rotary is applied to q and k together on their first ``rot`` channels
+only, and the modulation's ``1 + scale`` is precomputed (it depends on t only). Written over
+explicit weights so that one ``torch.compile`` graph serves every block (compiling bound
+methods would specialise on each block and hit the recompile limit).
 """
 
 from __future__ import annotations
@@ -19,57 +21,78 @@ def _ln(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotary angles [N, rot] (fp32), computed once per call, not per layer."""
-    return freqs.cos(), freqs.sin()
+    """(cos, signed sin) [N, rot] fp32 for ``freqs`` [N, rot], computed once per call.
+
+    The GPT-J rotate_half maps each pair (a, b) to (-b, a); with the pair swapped to (b, a),
+    the sign moves into the sine table: out = x * cos + swap(x) * (-sin, +sin).
+    """
+    sign = (torch.arange(freqs.shape[-1], device=freqs.device) % 2) * 2 - 1  # -1, +1, -1, ...
+    return freqs.cos(), freqs.sin() * sign
 
 
-def _rotate_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``dit.apply_rotary`` done in place on the first ``rot`` channels only (only head 0 is
-    rotated), so the other channels are never copied."""
+def block_pre(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: int):
+    """Modulated pre-norm, fused q/k/v and the head-0 rotary: h [N, D] -> q, k, v [N, H, Dh]
+    (strided views of one [N, 3, H, Dh] buffer; ``scale1`` is the precomputed 1 + scale)."""
+    x = torch.addcmul(shift, _ln(h), scale1)
+    qkv = F.linear(x, wqkv, bqkv).unflatten(-1, (3, -1))  # [N, 3, inner]
     rot = cos.shape[-1]
-    xr = x[:, :rot].float()
-    a, b = xr.unflatten(-1, (-1, 2)).unbind(-1)
-    turned = torch.stack((-b, a), dim=-1).flatten(-2)  # GPT-J interleaved rotate_half
-    x[:, :rot] = (xr * cos + turned * sin).to(x.dtype)
-    return x
+    qk = qkv[:, :2, :rot]  # only head 0 of q and k carries rotary
+    xr = qk.float()
+    swapped = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    qk.copy_(torch.addcmul(xr * cos[:, None], swapped, sin_signed[:, None]))
+    q, k, v = qkv.unflatten(-1, (heads, -1)).unbind(1)
+    return q, k, v
 
 
-def block_pre(h, shift, scale, wq, bq, wk, bk, wv, bv, cos, sin, heads: int):
-    """Modulated pre-norm, q/k/v and the head-0 rotary: h [N, D] -> q, k, v [N, H, Dh]."""
-    x = _ln(h) * (1 + scale) + shift
-    q = _rotate_first(F.linear(x, wq, bq), cos, sin)
-    k = _rotate_first(F.linear(x, wk, bk), cos, sin)
-    v = F.linear(x, wv, bv)
-    return q.unflatten(-1, (heads, -1)), k.unflatten(-1, (heads, -1)), v.unflatten(-1, (heads, -1))
-
-
-def block_post(h, attn, gate_msa, shift_mlp, scale_mlp, gate_mlp, wo, bo, w1, b1, w2, b2):
+def block_post(h, attn, gate_msa, shift_mlp, scale1_mlp, gate_mlp, wo, bo, w1, b1, w2, b2):
     """Output projection, gated residual and the modulated GELU(tanh) feed-forward."""
-    h = h + gate_msa * F.linear(attn, wo, bo)
-    x = _ln(h) * (1 + scale_mlp) + shift_mlp
-    return h + gate_mlp * F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+    h = torch.addcmul(h, gate_msa, F.linear(attn, wo, bo))
+    x = torch.addcmul(shift_mlp, _ln(h), scale1_mlp)
+    return torch.addcmul(h, gate_mlp, F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2))
 
 
 def block_weights(dit: DiT) -> list[tuple[tuple, tuple]]:
-    """Per block: (q/k/v weights for ``block_pre``, out/ff weights for ``block_post``)."""
+    """Per block: (fused q/k/v weight and bias for ``block_pre``, out/ff weights for ``block_post``)."""
     out = []
     for blk in dit.transformer_blocks:
         a, ff = blk.attn, blk.ff.ff
-        pre = (a.to_q.weight, a.to_q.bias, a.to_k.weight, a.to_k.bias, a.to_v.weight, a.to_v.bias)
+        wqkv = torch.cat((a.to_q.weight, a.to_k.weight, a.to_v.weight)).detach()
+        bqkv = torch.cat((a.to_q.bias, a.to_k.bias, a.to_v.bias)).detach()
         post = (a.to_out[0].weight, a.to_out[0].bias, ff[0][0].weight, ff[0][0].bias, ff[2].weight, ff[2].bias)
-        out.append((pre, post))
+        out.append(((wqkv, bqkv), post))
     return out
 
 
-def conv_position_embed(dit: DiT, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def block_modulation(blk, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(shift, 1+scale, gate, shift_mlp, 1+scale_mlp, gate_mlp) for one block at one t."""
+    shift, scale, gate, shift_m, scale_m, gate_m = blk.modulation(temb)
+    return shift, 1 + scale, gate, shift_m, 1 + scale_m, gate_m
+
+
+class ConvPositionEmbed:
     """``CausalConvPositionEmbedding(h) + h`` over a packed conv layout h [L, D].
 
-    Rows are separated by at least ``kernel - 1`` zero frames (``valid`` = 0), and the first
+    Rows are separated by at least ``kernel - 1`` zero frames (``valid`` = 0) and the first
     conv's output is re-zeroed there, so each row sees exactly the official zero padding.
+    The time-major activations are already a channels-last [1, D, 1, L] image, which is the
+    layout cuDNN's grouped-conv kernels want: no transposes, and the causal alignment comes
+    from symmetric implicit padding with the right-hand overhang dropped.
     """
-    pe = dit.input_embed.conv_pos_embed
-    k = pe.kernel
-    y = h.t().unsqueeze(0)
-    y = pe.conv1(F.pad(y, (k - 1, 0))) * valid
-    y = pe.conv2(F.pad(y, (k - 1, 0)))
-    return y[0].t() + h
+
+    def __init__(self, dit: DiT):
+        pe = dit.input_embed.conv_pos_embed
+        self.k = pe.kernel
+        self.convs = []
+        for seq in (pe.conv1, pe.conv2):
+            c = seq[0]
+            w = c.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            self.convs.append((w, c.bias.detach(), c.groups))
+
+    def __call__(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
+        y = h.t()[None, :, None, :]  # [1, D, 1, L] view, channels-last strides
+        for i, (w, b, groups) in enumerate(self.convs):
+            y = F.mish(F.conv2d(y, w, b, padding=(0, self.k - 1), groups=groups)[..., :n])
+            if i == 0:
+                y = y * valid
+        return y[0, :, 0, :].t() + h

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.codec.attention import make_backend
-from cosybatch.codec.dit_step import block_post, block_pre, block_weights, conv_position_embed, rotary_tables
+from cosybatch.codec.dit_step import ConvPositionEmbed, block_modulation, block_post, block_pre, block_weights, rotary_tables
 from cosybatch.codec.hops import Chunk
 from cosybatch.codec.packing import POOL, SCRATCH, SELF, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
@@ -81,6 +81,7 @@ class FlowRunner:
         self.cache = PrefixCache(self.n_steps, self.cfg.dit.depth, self.inner, self.dtype, self.device, prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
         self._weights = block_weights(self.dit)
+        self._conv = ConvPositionEmbed(self.dit)
         self._pre, self._post = block_pre, block_post
         if compile:
             self._pre = torch.compile(block_pre, dynamic=True)
@@ -99,7 +100,7 @@ class FlowRunner:
         self.steps = []
         for step in range(1, self.n_steps + 1):
             temb = self.dit.time_embed(t.to(self.dtype))  # [1, dim]
-            mods = [blk.modulation(temb) for blk in self.dit.transformer_blocks]
+            mods = [block_modulation(blk, temb) for blk in self.dit.transformer_blocks]
             self.steps.append((dt.clone(), temb, mods))
             t = t + dt
             if step < self.n_steps:
@@ -225,6 +226,7 @@ class FlowRunner:
             shape = (lay.scratch_frames, self.heads, self.inner // self.heads)
             scratch = (torch.empty(shape, device=self.device, dtype=self.dtype), torch.empty(shape, device=self.device, dtype=self.dtype))
         rate = self.cfg.inference_cfg_rate
+        valid = lay.conv_valid.to(self.dtype)
         for s, (dt, temb, mods) in enumerate(self.steps):
             if record is not None:
                 trace.append(x.index_select(0, record[0]))
@@ -232,8 +234,8 @@ class FlowRunner:
             xin[lay.conv_of_row] = torch.cat((x, x)).to(self.dtype)
             if margin is not None:
                 xin[lay.margin_conv] = torch.cat((margin[s], margin[s]))
-            h = self.dit.input_embed.proj(torch.cat((xin, static), dim=1)) * lay.conv_valid[:, None].to(self.dtype)
-            h = conv_position_embed(self.dit, h, lay.conv_valid.to(self.dtype))[lay.att_to_conv]
+            h = self.dit.input_embed.proj(torch.cat((xin, static), dim=1)) * valid[:, None]
+            h = self._conv(h, valid)[lay.att_to_conv]
             for layer, (m, (wpre, wpost)) in enumerate(zip(mods, self._weights)):
                 q, k, v = self._pre(h, m[0], m[1], *wpre, cos, sin, self.heads)
                 o = self._attend(q, k, v, s, layer, lay, preps, scratch)
@@ -277,7 +279,7 @@ class FlowRunner:
         if len(lay.launches) == 1 and lay.launches[0].q_end - lay.launches[0].q_start == q.shape[0]:
             ln = lay.launches[0]
             return self.backend.run(q, *self._keys(ln.source, k, v, step, layer, scratch), preps[0])
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # q may be a strided view of the fused q/k/v buffer
         for ln, prep in zip(lay.launches, preps):
             ks, vs = self._keys(ln.source, k, v, step, layer, scratch)
             out[ln.q_start : ln.q_end] = self.backend.run(q[ln.q_start : ln.q_end], ks, vs, prep)

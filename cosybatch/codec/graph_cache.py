@@ -95,7 +95,8 @@ class CudaGraphBackend:
             self._stream = torch.cuda.Stream()
         side = self._stream
         static_inputs = [x.clone() for x in inputs]  # ordinary allocations, not the pool
-        side.wait_stream(torch.cuda.current_stream())
+        caller = torch.cuda.current_stream()
+        side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):  # lazy init / autotuning outside the capture
@@ -111,6 +112,9 @@ class CudaGraphBackend:
             if self.share_pool and self._pool is None:
                 self._pool = graph.pool()
         except BaseException:
+            # torch.cuda.graph leaves the side stream current when capture_end raises
+            torch.cuda.set_stream(caller)
+            _unpoison_cuda_rng()
             self._stream = None
             self._pool = None
             raise
@@ -121,6 +125,20 @@ class CudaGraphBackend:
         reset = getattr(getattr(captured, "graph", None), "reset", None)
         if reset is not None:
             reset()
+
+
+def _unpoison_cuda_rng() -> None:
+    """After a failed capture the default CUDA generator's state stays in capture mode
+    (capture_end raised before its epilogue) and every later random op fails with
+    "Offset increment outside graph capture". Swap in a clone of that state: same seed
+    and offset, not capturing. Graphs here are deterministic, so none depends on the
+    old state object."""
+    try:
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        if hasattr(gen, "clone_state") and hasattr(gen, "graphsafe_set_state"):
+            gen.graphsafe_set_state(gen.clone_state())
+    except Exception as exc:  # pragma: no cover - best effort, GPU only
+        log.warning("could not reset the CUDA RNG state after a failed capture: %s", exc)
 
 
 @dataclass

@@ -77,6 +77,11 @@ def left_context(hift: CausalHiFTGenerator) -> tuple[int, int]:
     return f0_ctx, int(math.ceil(total)) + 1
 
 
+def _to_device(values: list[int], device) -> torch.Tensor:
+    # non_blocking: a plain torch.tensor(..., device=cuda) waits for the stream to drain
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -> torch.Tensor:
     """Running phase (cycles, float64 [B, W, H]) of per-frame increments ``rad`` [B, W, H].
 
@@ -87,7 +92,7 @@ def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -
     so the phase is bit-identical there (on CUDA both are parallel scans: ~1 ulp).
     """
     dev = rad.device
-    start = torch.tensor(list(first), device=dev).unsqueeze(1)
+    start = _to_device(list(first), dev).unsqueeze(1)
     keep = torch.arange(rad.shape[1], device=dev).unsqueeze(0) >= start
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     steps = torch.where(keep.unsqueeze(-1), rad.to(torch.float64), zero)
@@ -125,7 +130,7 @@ class HiftRunner:
     ``graphs``: False (eager), True, or a dict of ``GraphCache`` options (``capacity``,
     ``max_counters``, ``capture_after``, ``backend``, ...) to run the decode through a
     graph cache, available as ``self.graphs``. ``frame_bucket`` pads
-    window lengths up to a multiple (and batch sizes to a power of two) so graph shapes
+    window lengths up to a multiple (and batch sizes, see ``_batch_rows``) so graph shapes
     repeat; defaults to 32 frames when graphs are used, 1 otherwise. ``bounded=False``
     keeps the whole history (the official recompute, for comparison and for configs where
     the phase shortcut does not apply).
@@ -202,8 +207,9 @@ class HiftRunner:
         (bucketed like live batches); returns how many were captured."""
         if self.graphs is None:
             return 0
-        return self.graphs.precapture(self._dummy_inputs(self._batch_rows(n), self._bucket(f))
-                                      for n, f in shapes)
+        with torch.inference_mode():  # as in run(): no autograd state in the graphs
+            return self.graphs.precapture(self._dummy_inputs(self._batch_rows(n), self._bucket(f))
+                                          for n, f in shapes)
 
     def _dummy_inputs(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         dev, dtype = self.device, self.hift.stft_window.dtype
@@ -252,7 +258,8 @@ class HiftRunner:
         out, cur = [], []
         for p in plans:  # sorted by length: the last one added is the longest
             width = self._bucket(p.window.shape[1])
-            if cur and (len(cur) >= self.max_batch or width * (len(cur) + 1) > self.max_batch_frames):
+            full = len(cur) >= self.max_batch
+            if cur and (full or width * self._batch_rows(len(cur) + 1) > self.max_batch_frames):
                 out.append(cur)
                 cur = []
             cur.append(p)
@@ -265,9 +272,12 @@ class HiftRunner:
         return -(-frames // q) * q
 
     def _batch_rows(self, n: int) -> int:
+        """Rows to allocate for n requests: exact when eager; with graphs, a power of two
+        up to 8, then a multiple of 8, so shapes repeat without much padding."""
         if self.graphs is None:
             return n
-        return min(1 << (n - 1).bit_length(), max(n, self.max_batch))
+        rows = 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
+        return max(n, min(rows, self.max_batch))
 
     # ------------------------------------------------------------------ compute
     def _ensure_table(self, need: int) -> None:
@@ -284,7 +294,7 @@ class HiftRunner:
     def _noise(self, starts: list[int], length: int) -> torch.Tensor:
         """[B, length, harmonics] rows of the fixed noise table from each row's sample offset."""
         self._ensure_table(max(starts) + length)
-        base = torch.tensor(starts, device=self.device).unsqueeze(1)
+        base = _to_device(starts, self.device).unsqueeze(1)
         idx = (base + torch.arange(length, device=self.device)).clamp_(max=self._table.shape[0] - 1)
         return self._table[idx]
 
@@ -308,7 +318,7 @@ class HiftRunner:
         half = cfg.n_fft // 2
         n = source.shape[-1]
         pos = torch.arange(-half, n + half, device=source.device).unsqueeze(0)
-        last = torch.tensor(lengths, device=source.device).unsqueeze(1) - 1
+        last = _to_device(lengths, source.device).unsqueeze(1) - 1
         pos = pos.abs()
         pos = torch.where(pos > last, 2 * last - pos, pos).clamp_(0, n - 1)
         padded = torch.gather(source[:, 0], 1, pos)

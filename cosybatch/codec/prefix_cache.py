@@ -81,32 +81,41 @@ class PrefixCache:
         self.budget_frames = max(0, int(budget_bytes) // self.bytes_per_frame)
         self.slab_frames = slab_frames
         self.block = block
-        self.slabs: list[_Slab] = []
+        self.slabs: dict[int, _Slab] = {}  # id -> slab; an emptied slab is freed
+        self._next_slab = 0
         self.rows: dict[tuple, RowState] = {}
 
     # ------------------------------------------------------------------ memory
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.k.shape[2] for s in self.slabs) * self.bytes_per_frame
+        return sum(s.k.shape[2] for s in self.slabs.values()) * self.bytes_per_frame
 
     def used_frames(self) -> int:
-        return sum(s.k.shape[2] - sum(n for _, n in s.free) for s in self.slabs)
+        return sum(s.k.shape[2] - sum(n for _, n in s.free) for s in self.slabs.values())
 
     def _round(self, n: int) -> int:
         return -(-n // self.block) * self.block
 
     def _alloc(self, n: int) -> tuple[int, int] | None:
-        for i, slab in enumerate(self.slabs):
+        for i, slab in self.slabs.items():
             start = slab.alloc(n)
             if start is not None:
                 return i, start
-        have = sum(s.k.shape[2] for s in self.slabs)
+        have = sum(s.k.shape[2] for s in self.slabs.values())
         size = min(max(self.slab_frames, n), self.budget_frames - have)
         if size < n:
             return None
-        self.slabs.append(_Slab(self.shape_head + (size, self.inner), self.dtype, self.device))
-        return len(self.slabs) - 1, self.slabs[-1].alloc(n)
+        i = self._next_slab
+        self._next_slab += 1
+        self.slabs[i] = _Slab(self.shape_head + (size, self.inner), self.dtype, self.device)
+        return i, self.slabs[i].alloc(n)
+
+    def _release(self, slab: int, start: int, n: int) -> None:
+        s = self.slabs[slab]
+        s.release(start, n)
+        if s.free == [(0, s.k.shape[2])]:
+            del self.slabs[slab]  # give the memory back once nothing lives there
 
     def slab_kv(self, slab: int, step: int, layer: int, heads: int):
         s = self.slabs[slab]
@@ -123,15 +132,16 @@ class PrefixCache:
         st = self.rows.get(key)
         if st is not None and frames <= st.capacity:
             return st
-        # Headroom for the next hops' growth, so regions rarely move.
-        want = self._round(frames + max(frames // 2, self.block))
+        # Headroom for the next hops' growth, so regions rarely move (a move copies only the
+        # complete-chunk frames, which is cheap next to a hop's compute).
+        want = self._round(frames + frames // 4 + self.block)
         if st is None:
             regions = []
             for _ in range(2):
                 r = self._alloc(want)
                 if r is None:
                     for slab, off in regions:
-                        self.slabs[slab].release(off, want)
+                        self._release(slab, off, want)
                     return None
                 regions.append(r)
             st = RowState(regions=regions, capacity=want, tokens=tokens)
@@ -148,10 +158,10 @@ class PrefixCache:
             if r is None:
                 for bb in range(b):
                     if new_regions[bb] != st.regions[bb]:
-                        self.slabs[new_regions[bb][0]].release(new_regions[bb][1], want)
+                        self._release(new_regions[bb][0], new_regions[bb][1], want)
                         sizes[bb] = st.capacity
                 for bb, (s2, o2) in enumerate(st.regions):
-                    self.slabs[s2].release(o2, sizes[bb])
+                    self._release(s2, o2, sizes[bb])
                 del self.rows[key]
                 return None
             new_regions[b] = r
@@ -162,14 +172,14 @@ class PrefixCache:
             if n:
                 self.slabs[ns].k[:, :, no : no + n] = self.slabs[slab].k[:, :, off : off + n]
                 self.slabs[ns].v[:, :, no : no + n] = self.slabs[slab].v[:, :, off : off + n]
-            self.slabs[slab].release(off, st.capacity)
+            self._release(slab, off, st.capacity)
         st.regions = new_regions
         st.capacity = want
         return st
 
     def _free_row(self, st: RowState) -> None:
         for slab, off in st.regions:
-            self.slabs[slab].release(off, st.capacity)
+            self._release(slab, off, st.capacity)
 
     def drop(self, key) -> None:
         st = self.rows.pop(key, None)

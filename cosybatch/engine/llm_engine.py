@@ -50,6 +50,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._pending: list[Sequence] | None = None
+        self._min_left = 0
+        self._run_ahead = self.runner.can_run_ahead
 
     # ---------------------------------------------------------------- requests
 
@@ -94,26 +97,40 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
+        if self._pending is not None:  # a decode step enqueued ahead by the previous call
+            seqs, self._pending = self._pending, None
+            t0 = time.perf_counter()
+            return self._after_decode(seqs, self.runner.decode_collect(), t0)
         plan = self.scheduler.schedule()
         if plan is None:
             return []
         t0 = time.perf_counter()
-        if plan.kind == "prefill":
-            toks = self.runner.prefill(plan.seqs)
-            st = self.stats
-            st.prefill_steps += 1
-            st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
-            st.prefill_s += time.perf_counter() - t0
-        else:
-            toks = self.runner.decode(plan.seqs)
-            st = self.stats
-            st.decode_steps += 1
-            st.decode_tokens += len(toks)
-            st.decode_s += time.perf_counter() - t0
-            st.batch_hist[len(toks)] = st.batch_hist.get(len(toks), 0) + 1
-        outputs = []
-        for seq, tok in zip(plan.seqs, toks):
-            outputs.append(self._advance(seq, tok))
+        if plan.kind == "decode":
+            self.runner.decode_launch(plan.seqs)
+            return self._after_decode(plan.seqs, self.runner.decode_collect(), t0)
+        toks = self.runner.prefill(plan.seqs)
+        st = self.stats
+        st.prefill_steps += 1
+        st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
+        st.prefill_s += time.perf_counter() - t0
+        outputs = [self._advance(seq, tok) for seq, tok in zip(plan.seqs, toks)]
+        self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
+        return outputs
+
+    def _after_decode(self, seqs: list[Sequence], toks: list[int], t0: float) -> list[RequestOutput]:
+        # Nothing in this step ends a row and nobody can be admitted: the rows of the next step
+        # are these rows, so enqueue it now and let the GPU run while the host does bookkeeping.
+        if (self._run_ahead and max(toks) < self.stop_start and self._min_left > 1
+                and not self.scheduler.can_admit()):
+            self.runner.decode_launch(seqs)
+            self._pending = seqs
+        outputs = [self._advance(seq, tok) for seq, tok in zip(seqs, toks)]
+        self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_tokens += len(toks)
+        st.decode_s += time.perf_counter() - t0
+        st.batch_hist[len(toks)] = st.batch_hist.get(len(toks), 0) + 1
         return outputs
 
     def _advance(self, seq: Sequence, tok: int) -> RequestOutput:

@@ -77,6 +77,10 @@ class ModelRunner:
         # rows are sampled one at a time off-GPU: CPU kernels split work by tensor size, so a
         # batched elementwise op could round a row differently from the same row alone
         self._rowwise = self.device.type != "cuda"
+        self._pending_n = 0
+        if self.device.type == "cuda":
+            self._host_out = torch.zeros(self.num_rows, dtype=torch.long).pin_memory()
+            self._out_ready = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_modes: dict[int, str] = {}
         self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
@@ -104,6 +108,7 @@ class ModelRunner:
         r.tok[row] = 0
         r.pos[row] = 0
         r.n_gen[row] = 0
+        self.sampler.reset(row)
 
     def move(self, src: int, dst: int) -> None:
         for t in self.rows.tensors():
@@ -159,8 +164,9 @@ class ModelRunner:
         raise ValueError(f"{n} rows exceed max_num_seqs={self.cfg.max_num_seqs}")
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        """One token for each running sequence (seqs[i] sits in row i)."""
+    def decode_launch(self, seqs: list[Sequence]) -> None:
+        """Enqueue one decode step for the running sequences (seqs[i] sits in row i) and an
+        asynchronous copy of its ids to pinned host memory; ``decode_collect`` waits for them."""
         n = len(seqs)
         if self.executor.graphable:
             b = self.bucket(n)
@@ -174,7 +180,27 @@ class ModelRunner:
                 g.replay()
         else:
             self._decode_step(n, seqs)
+        if self.device.type == "cuda":
+            self._host_out[:n].copy_(self.rows.out[:n], non_blocking=True)
+            self._out_ready.record()
+        self._pending_n = n
+
+    def decode_collect(self) -> list[int]:
+        n = self._pending_n
+        if self.device.type == "cuda":
+            self._out_ready.synchronize()  # the step's one host sync
+            return self._host_out[:n].tolist()
         return self.rows.out[:n].tolist()
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        self.decode_launch(seqs)
+        return self.decode_collect()
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether a decode step can be enqueued before the host has seen the previous one: only
+        when the step reads nothing but device state."""
+        return self.executor.graphable
 
     # ---------------------------------------------------------------- CUDA graphs
 
@@ -221,5 +247,3 @@ class ModelRunner:
     def reset_rows(self) -> None:
         for row in range(self.num_rows):
             self.unbind(row)
-        self.sampler.history.zero_()
-        self.sampler.seen.zero_()

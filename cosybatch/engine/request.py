@@ -40,6 +40,7 @@ class SamplingParams:
     seed: int = 0
     enforce_min_len: bool = False
     force_length: int | None = None
+    max_tokens: int | None = None  # a cap on top of the official 20 x text tokens
 
     def __post_init__(self) -> None:
         if self.mode not in ("ras", "standard"):
@@ -124,7 +125,10 @@ def length_limits(n_text: int, params: SamplingParams, min_ratio: float, max_rat
     """(min_len, max_len) of the official loop; force_length replaces both."""
     if params.force_length is not None:
         return params.force_length, params.force_length
-    return int(n_text * min_ratio), int(n_text * max_ratio)
+    max_len = int(n_text * max_ratio)
+    if params.max_tokens is not None:
+        max_len = min(max_len, params.max_tokens)
+    return int(n_text * min_ratio), max_len
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -59,6 +59,10 @@ class SamplerState:
         self._hist_col = torch.arange(history_len, device=device).unsqueeze(0)
         self._stop_cols = ((col >= stop_start) & (col < vocab)).unsqueeze(0)
         self._sos_col = (col == sos).unsqueeze(0)
+        # padding rows of a decode bucket are sampled too (and ignored): give every row valid
+        # parameters from the start
+        for row in range(num_rows):
+            self.reset(row)
 
     # ---------------------------------------------------------------- row bookkeeping
 
@@ -83,6 +87,9 @@ class SamplerState:
         self.params[row].copy_(row_vals, non_blocking=False)
         self.history[row].zero_()
         self.seen[row].zero_()
+
+    def reset(self, row: int) -> None:
+        self.bind(row, SamplingParams(), 0)
 
     def move(self, src: int, dst: int) -> None:
         self.params[dst].copy_(self.params[src])
@@ -126,7 +133,7 @@ class SamplerState:
         total = incl[:, -1:]
         k = p[:, _C["top_k"]].long().unsqueeze(1)
         top_p = p[:, _C["top_p"]].unsqueeze(1)
-        kept = (col < k) & ((excl.double() < top_p * total.double()) | (col == 0))
+        kept = ((col < k) & (excl.double() < top_p * total.double())) | (col == 0)
         n_kept = kept.sum(1, keepdim=True)
         kept_total = incl.gather(1, n_kept - 1)
         lo, hi = p[:, _C["seed_lo"]].long(), p[:, _C["seed_hi"]].long()
@@ -147,7 +154,7 @@ class SamplerState:
         t2 = torch.floor(uniform(lo, hi, n_gen, 1).unsqueeze(1) * total2.double()).long()
         tok2 = (incl2 <= t2).sum(1, keepdim=True)
         # nothing else has any mass left: the official multinomial would still pick the runner-up
-        tok2 = torch.where(total2 > 0, tok2, order[:, 1:2])
+        tok2 = torch.where(total2 > 0, tok2, order[:, 1:2]).clamp(max=self.vocab - 1)
         return torch.where(hit, tok2, tok1).squeeze(1)
 
     def record(self, rows, n_gen: torch.Tensor, tokens: torch.Tensor) -> None:

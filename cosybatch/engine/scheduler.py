@@ -42,6 +42,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Would ``schedule`` admit the head of the queue now?"""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        return self.blocks_needed(self.waiting[0]) <= self.allocator.num_free
+
     def schedule(self) -> Plan | None:
         admitted: list[Sequence] = []
         tokens = 0

@@ -172,8 +172,8 @@ def rope_cache(qkv, pos, slots, cos, sin, k_slots, v_slots, hq: int, hkv: int, d
     t = qkv.shape[0]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(t,)](qkv, pos, slots, cos, sin, q, k_slots, v_slots, qkv.stride(0), q.stride(0),
-                             cos.stride(0), k_slots.stride(0), HQ=hq, HKV=hkv, D=d, HQ_P=_pow2(hq),
-                             HKV_P=_pow2(hkv), HALF=d // 2, HALF_P=_pow2(d // 2), D_P=_pow2(d))
+                             cos.stride(0), k_slots.stride(0), HQ=hq, HKV=hkv, D=d, HQ_P=_pow2(hq, 2),
+                             HKV_P=_pow2(hkv, 2), HALF=d // 2, HALF_P=_pow2(d // 2, 2), D_P=_pow2(d, 2))
     return q
 
 

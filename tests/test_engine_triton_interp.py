@@ -1,0 +1,113 @@
+"""The Triton executor's kernels and engine path, run by Triton's CPU interpreter.
+
+Only where ``triton`` is importable and no GPU is present (the GPU itself runs
+tests/test_engine_gpu.py): the kernels against plain PyTorch, and the packed/paged engine path
+(including enqueue-ahead decoding) for batch invariance on a small random model.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+if torch.cuda.is_available():
+    pytest.skip("GPU present: tests/test_engine_gpu.py runs the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
+pytest.importorskip("triton")
+
+from cosybatch.config import LLMConfig, QwenConfig  # noqa: E402
+from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.engine import triton_kernels as K  # noqa: E402
+from cosybatch.engine.random_model import random_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_matmul_and_norms_match_torch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 40, generator=g)
+    w = torch.randn(70, 40, generator=g)
+    b = torch.randn(70, generator=g)
+    for phase in ("decode", "prefill"):
+        assert (K.matmul(x, w, b, phase=phase) - torch.nn.functional.linear(x, w, b)).abs().max() < 1e-4
+    r = torch.randn(37, 40, generator=g)
+    gain = torch.rand(40, generator=g)
+    out, res = K.add_rmsnorm(x, r, gain, 1e-6)
+    s = x + r
+    ref = gain * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(res, s) and (out - ref).abs().max() < 1e-5
+    gu = torch.randn(5, 64, generator=g)
+    assert (K.silu_mul(gu) - torch.nn.functional.silu(gu[:, :32]) * gu[:, 32:]).abs().max() < 1e-5
+
+
+def test_rope_cache_and_paged_attention_match_torch():
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, bs, nb = 4, 2, 16, 16, 8
+    t = 21  # one sequence of 21 tokens spread over blocks 5, 2
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    pos = torch.arange(t)
+    blocks = [5, 2]
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(t)])
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(64).float()[:, None] * inv
+    kc = torch.zeros(nb, bs, hkv, d)
+    vc = torch.zeros(nb, bs, hkv, d)
+    q = K.rope_cache(qkv, pos, slots, ang.cos(), ang.sin(), kc.view(-1, hkv, d), vc.view(-1, hkv, d), hq, hkv, d)
+
+    def rope(x):  # HF rotate-half on [T, H, D]
+        c, s = torch.cat([ang[:t].cos()] * 2, -1)[:, None], torch.cat([ang[:t].sin()] * 2, -1)[:, None]
+        return x * c + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * s
+
+    q_ref = rope(qkv[:, : hq * d].view(t, hq, d))
+    k_ref = rope(qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d))
+    v_ref = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    assert (q - q_ref).abs().max() < 1e-5
+    assert (kc.view(-1, hkv, d)[slots] - k_ref).abs().max() < 1e-5 and torch.equal(vc.view(-1, hkv, d)[slots], v_ref)
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    bt[1, :2] = torch.tensor(blocks, dtype=torch.int32)
+    out = K.paged_attention(q, kc, vc, bt, torch.ones(t, dtype=torch.long), pos, d ** -0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q_ref.transpose(0, 1), k_ref.repeat_interleave(2, 1).transpose(0, 1),
+        v_ref.repeat_interleave(2, 1).transpose(0, 1), is_causal=True)
+    assert (out - ref.transpose(0, 1).reshape(t, -1)).abs().max() < 1e-5
+
+
+SMALL = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96),
+                  llm_input_size=64, llm_output_size=64)
+
+
+def test_triton_engine_is_batch_invariant_and_runs_ahead():
+    lm = random_lm(SMALL, seed=4)
+    reqs = []
+    for i in range(6):
+        text = [(7 * i + j * 13) % 5000 + 10 for j in range(5 + i % 3)]
+        p = (SamplingParams(seed=i, force_length=10 + i) if i % 2 else
+             SamplingParams.standard(0.8, 0.9, 30, 1.3, seed=i, enforce_min_len=True))
+        reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 400 + i], params=p))
+
+    def engine(n):
+        return LLMEngine(lm, EngineConfig(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
+                                          max_token_text_ratio=4))
+
+    alone = []
+    e1 = engine(1)
+    for i, r in enumerate(reqs):
+        rid = e1.add_request(**r, request_id=f"a{i}")
+        e1.run()
+        alone.append(e1.seqs[rid].tokens)
+    e4 = engine(4)
+    for i in (3, 0, 5, 1, 2, 4):
+        e4.add_request(**reqs[i], request_id=f"r{i}")
+    e4.run()
+    assert [e4.seqs[f"r{i}"].tokens for i in range(6)] == alone
+    assert [len(alone[i]) for i in (1, 3, 5)] == [11, 13, 15]
+    assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0
