@@ -44,6 +44,10 @@ class CodecProfile:
     flow_dtype: Dtype = "float32"
     hift_dtype: Dtype = "float32"
     attention: Literal["auto", "sdpa", "varlen", "flash"] = "auto"
+    # Run flow + HiFT on their own thread and CUDA stream, overlapping the AR engine's steps.
+    overlap: bool = False
+    # Threads that compute prompt features (ONNX tokenizer, CAM++, mels) ahead of admission.
+    frontend_workers: int = 4
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "ar.max_prefill_tokens": (lambda v: v >= 1, "must be >= 1"),
     "ar.graph_batch_sizes": (lambda v: len(v) > 0 and all(b >= 1 for b in v), "must be a non-empty list of sizes >= 1"),
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
+    "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),

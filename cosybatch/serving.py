@@ -1,17 +1,25 @@
 """The fast pipeline: frontend -> continuous-batching AR engine -> packed codec, in one process.
 
-Each ``step`` advances every stage once: admit new rows through the frontend, run one AR step
-over all decoding segments, then (when the batching policy says so) one packed codec call over
-every hop that is ready. Rows are independent: an exception while preparing or running one row
-becomes that row's ``error`` event and the others go on.
+Three stages run at once. Prompt features are computed by a small thread pool ahead of
+admission; the main thread steps the AR engine (CUDA graphs, default stream); the codec
+(packed flow + batched HiFT) runs on its own thread and CUDA stream when ``codec.overlap`` is
+on, taking every hop that became ready while its previous call ran, so batches form by
+themselves. Only the main thread touches the engine and only the codec thread touches the flow
+and HiFT runners; they exchange plain Python lists under one lock.
+
+Rows are independent: an exception while preparing or running one row becomes that row's
+``error`` event and the others go on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -39,7 +47,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass
 class _Row:
     req: SynthRequest
-    prompt: PromptTensors
+    prompt: PromptTensors  # on the CPU; the codec thread keeps its own device copy
     prompt_text_ids: torch.Tensor
     segments: list[torch.Tensor]
     schedule: HopSchedule
@@ -47,7 +55,15 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # flow tokens of the current segment
     llm_done: bool = False
     planner: SegmentPlanner | None = None
-    in_codec: bool = False  # a full-response job is queued or running
+    prompt_dev: PromptTensors | None = None
+
+
+@dataclass
+class _Job:
+    row: _Row
+    seg: int
+    chunk: Chunk | None  # None: the whole response (mode full)
+    tokens: list[int]
 
 
 class FastPipeline:
@@ -56,17 +72,17 @@ class FastPipeline:
     def __init__(self, models, frontend, profile, device: torch.device):
         from cosybatch.profiles import effective_hops, effective_sampling
 
-        self.models = models
         self.cfg = models.cfg
         self.frontend = frontend
-        self.profile = profile
         self.device = device
         self.sample_rate = self.cfg.sample_rate
         self.token_frame_rate = self.cfg.token_frame_rate
         self.sampling = effective_sampling(profile.sampling, self.cfg.llm.sampling)
         self.hops = effective_hops(profile.hops, self.cfg.chunk_size)
         self.lookahead = self.cfg.flow.pre_lookahead_len
-        ar = _asdict(profile.ar)
+        self.streaming = profile.mode == "streaming"
+        self.max_codec = profile.codec.max_num_seqs
+        ar = {f.name: getattr(profile.ar, f.name) for f in fields(profile.ar)}
         if device.type != "cuda":
             ar["cuda_graphs"] = False
         self.engine = LLMEngine(models.llm, EngineConfig.from_mapping(ar))
@@ -83,77 +99,111 @@ class FastPipeline:
         if opt.hift_graphs and device.type == "cuda":
             graphs = {"capacity": opt.hift_graph_capacity, "max_counters": opt.hift_graph_counters,
                       "capture_after": opt.hift_graph_capture_after}
-        hift = models.hift if profile.codec.hift_dtype in ("float32", "auto") else models.hift.to(_DTYPES[profile.codec.hift_dtype])
-        self.hift = HiftRunner(hift, graphs=graphs, max_batch=profile.codec.max_num_seqs)
-        self.max_codec = profile.codec.max_num_seqs
-        self.streaming = profile.mode == "streaming"
-        self._pending: deque[SynthRequest] = deque()
+        if profile.codec.hift_dtype not in ("float32", "auto"):
+            raise ValueError("codec.hift_dtype: HiFT runs in float32 (F0 in float64); "
+                             f"{profile.codec.hift_dtype} is not implemented")
+        self.hift = HiftRunner(models.hift, graphs=graphs, max_batch=self.max_codec)
+
+        self._lock = threading.Condition()
+        self._pool = ThreadPoolExecutor(profile.codec.frontend_workers, thread_name_prefix="cosybatch-frontend")
+        self._preparing: dict[str, Future] = {}
         self._rows: dict[str, _Row] = {}
-        self._ready: list[tuple[str, Chunk | None]] = []  # codec jobs waiting: (row id, chunk)
+        self._ready: list[_Job] = []  # hops whose tokens exist, waiting for the codec
+        self._finished: deque = deque()  # (job, audio | Exception) back from the codec
+        self._release: list[str] = []  # segment ids whose codec state can go
         self._events: list[Event] = []
         self._busy = {"frontend": 0.0, "ar": 0.0, "flow": 0.0, "hift": 0.0}
         self._ar_steps_since_codec = 0
+        self._closed = False
+        self._codec_thread = None
+        if profile.codec.overlap:
+            self._codec_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            self._codec_thread = threading.Thread(target=self._codec_loop, name="cosybatch-codec", daemon=True)
+            self._codec_thread.start()
 
     # ------------------------------------------------------------------ protocol
 
     def add_request(self, req: SynthRequest) -> None:
-        self._pending.append(req)
+        self._preparing[req.request_id] = self._pool.submit(self._prepare, req)
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._rows or self._events)
+        with self._lock:
+            return bool(self._preparing or self._rows or self._events or self._finished)
 
     def stage_busy(self) -> dict[str, float]:
         return dict(self._busy)
 
     def step(self) -> list[Event]:
-        self._admit()
+        progressed = self._admit()
+        progressed |= self._collect()
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
             outs = self.engine.step()
-            self._busy["ar"] += self._sync_elapsed(t0)
+            self._busy["ar"] += time.perf_counter() - t0  # step() already waits for its tokens
             self._ar_steps_since_codec += 1
-            for out in outs:
-                row = self._rows.get(_row_id(out.request_id))
-                if row is None:
-                    continue
-                row.tokens.extend(out.new_tokens)
-                if out.finished:
-                    row.llm_done = True
-                self._plan(row)
-        if self._ready and self._codec_due():
-            self._run_codec()
+            with self._lock:
+                for out in outs:
+                    row = self._rows.get(_row_id(out.request_id))
+                    if row is not None:
+                        row.tokens.extend(out.new_tokens)
+                        row.llm_done = row.llm_done or out.finished
+                        self._plan(row)
+                self._lock.notify_all()
+            progressed = True
+        if self._codec_thread is None and self._ready and self._codec_due():
+            self._codec_once()
+            progressed = True
+        if not progressed:
+            self._idle_wait()
         events, self._events = self._events, []
         return events
 
-    # ------------------------------------------------------------------ admission
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._codec_thread is not None:
+            self._codec_thread.join(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _admit(self) -> None:
-        while self._pending:
-            req = self._pending.popleft()
-            t0 = time.perf_counter()
-            try:
-                row = self._prepare(req)
-            except Exception as e:  # a bad row must not take the others down
-                log.debug("row %s failed in the frontend", req.request_id, exc_info=True)
-                self._events.append(Event(req.request_id, "error", error=f"{type(e).__name__}: {e}"))
-                continue
-            finally:
-                self._busy["frontend"] += time.perf_counter() - t0
-            self._rows[req.request_id] = row
-            self._start_segment(row)
+    def __del__(self) -> None:  # the codec thread is a daemon; this only stops it early
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ frontend and admission
 
     def _prepare(self, req: SynthRequest) -> _Row:
-        feats = self.frontend.prompt(req.row.prompt_wav)
-        text = self.frontend.prepare(req.row.prompt_text, req.row.target_text)
-        dev = self.device
-        prompt = PromptTensors(feats.speech_tokens.to(dev)[None].long(), feats.mel.to(dev), feats.embedding.to(dev))
+        t0 = time.perf_counter()
+        try:
+            feats = self.frontend.prompt(req.row.prompt_wav)
+            text = self.frontend.prepare(req.row.prompt_text, req.row.target_text)
+        finally:
+            self._busy["frontend"] += time.perf_counter() - t0
+        prompt = PromptTensors(feats.speech_tokens[None].long(), feats.mel, feats.embedding)
         first, mx, scale = self.hops
         return _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
 
+    def _admit(self) -> bool:
+        done = [rid for rid, f in self._preparing.items() if f.done()]
+        for rid in done:
+            fut = self._preparing.pop(rid)
+            try:
+                row = fut.result()
+            except Exception as e:  # a bad row must not take the others down
+                self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
+                continue
+            with self._lock:
+                self._rows[rid] = row
+            self._start_segment(row)
+        return bool(done)
+
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling
-        # Each segment gets its own stream of random numbers, derived from the row's seed.
-        seed = (s.seed * 1_000_003 + _stable_hash(req.request_id) * 101 + seg) % (2**63)
+        # Each segment gets its own random stream, derived from the run seed and the request,
+        # so tokens do not depend on what else is in flight.
+        seed = (s.seed * 1_000_003 + zlib.crc32(req.request_id.encode()) * 101 + seg) % (2**63)
         kw = dict(seed=seed, enforce_min_len=s.enforce_min_len, force_length=self._forced(req, seg),
                   max_tokens=s.max_tokens)
         if s.mode == "standard":
@@ -170,115 +220,158 @@ class FastPipeline:
         return max(1, share(before + lens[seg]) - share(before))
 
     def _start_segment(self, row: _Row) -> None:
-        row.tokens, row.llm_done, row.in_codec = [], False, False
-        P = row.prompt.speech_tokens.shape[1]
-        row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
-        rid = _seg_id(row.req.request_id, row.seg)
+        with self._lock:
+            row.tokens, row.llm_done = [], False
+            P = row.prompt.speech_tokens.shape[1]
+            row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
         try:
-            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens[0].cpu(),
-                                    self._params(row.req, row.seg), request_id=rid)
+            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens[0],
+                                    self._params(row.req, row.seg), request_id=_seg_id(row.req.request_id, row.seg))
         except Exception as e:
             self._fail(row, e)
 
-    # ------------------------------------------------------------------ codec
+    # ------------------------------------------------------------------ hand-off (under the lock)
 
     def _plan(self, row: _Row) -> None:
         if row.planner is not None:
             while (chunk := row.planner.next_chunk(len(row.tokens), row.llm_done)) is not None:
-                self._ready.append((row.req.request_id, chunk))
-        elif row.llm_done and not row.in_codec:
-            row.in_codec = True
-            self._ready.append((row.req.request_id, None))
+                self._ready.append(_Job(row, row.seg, chunk, row.tokens[: chunk.end]))
+        elif row.llm_done:
+            self._ready.append(_Job(row, row.seg, None, list(row.tokens)))
 
     def _codec_due(self) -> bool:
-        # Batch hops for efficiency, but never hold back a first hop (time to first audio),
-        # and never let the AR engine idle the GPU while hops wait.
+        # Inline codec: batch hops, but never hold back a first hop (time to first audio) and
+        # never leave the GPU idle while hops wait.
         if not self.engine.has_unfinished() or len(self._ready) >= self.max_codec:
             return True
-        if any(c is not None and c.index == 0 and c.offset == 0 for _, c in self._ready):
+        if any(_is_first(j.chunk) for j in self._ready):
             return True
         return self._ar_steps_since_codec >= 8
 
-    def _run_codec(self) -> None:
-        self._ar_steps_since_codec = 0
-        # First hops first, then the oldest; at most codec.max_num_seqs rows per packed call,
-        # one hop per row per call (a row's hops depend on each other through HiFT state).
-        order = sorted(range(len(self._ready)), key=lambda i: (not _is_first(self._ready[i][1]), i))
+    def _take_batch(self) -> list[_Job]:
+        """First hops first, then the oldest; one hop per segment per call (HiFT state is sequential)."""
+        order = sorted(range(len(self._ready)), key=lambda i: (not _is_first(self._ready[i].chunk), i))
         take, seen = [], set()
         for i in order:
-            rid = self._ready[i][0]
-            if rid in seen or len(take) >= self.max_codec:
+            key = _seg_id(self._ready[i].row.req.request_id, self._ready[i].seg)
+            if key in seen or len(take) >= self.max_codec:
                 continue
-            seen.add(rid)
+            seen.add(key)
             take.append(i)
-        batch = [self._ready[i] for i in sorted(take)]
         taken = set(take)
+        batch = [self._ready[i] for i in sorted(take)]
         self._ready = [j for i, j in enumerate(self._ready) if i not in taken]
-        self._run_batch(batch)
+        return batch
 
-    def _run_batch(self, batch: list[tuple[str, Chunk | None]]) -> None:
-        jobs, rows = [], []
-        for rid, chunk in batch:
-            row = self._rows[rid]
-            toks = torch.tensor(row.tokens, dtype=torch.long, device=self.device)
-            jobs.append(FlowJob(_seg_id(rid, row.seg), toks, row.prompt, chunk))
-            rows.append((row, chunk))
+    def _collect(self) -> bool:
+        """Turn finished codec work into events, next segments and done/error (main thread)."""
+        with self._lock:
+            finished, self._finished = list(self._finished), deque()
+        for job, out in finished:
+            row, rid = job.row, job.row.req.request_id
+            if rid not in self._rows:
+                continue  # the row already failed
+            if isinstance(out, Exception):
+                self._fail(row, out)
+                continue
+            self._events.append(Event(rid, "chunk", audio=out))
+            if job.chunk is None or job.chunk.finalize:
+                with self._lock:
+                    self._release.append(_seg_id(rid, job.seg))
+                row.seg += 1
+                if row.seg < len(row.segments):
+                    self._start_segment(row)
+                else:
+                    with self._lock:
+                        self._rows.pop(rid, None)
+                    self._events.append(Event(rid, "done"))
+        return bool(finished)
+
+    def _fail(self, row: _Row, e: Exception) -> None:
+        rid = row.req.request_id
+        with self._lock:
+            self._release.append(_seg_id(rid, row.seg))
+            self._ready = [j for j in self._ready if j.row is not row]
+            self._rows.pop(rid, None)
+        self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
+
+    def _idle_wait(self) -> None:
+        """Nothing to do on this thread: wait for the frontend pool or the codec thread."""
+        with self._lock:
+            if self._finished or self._closed:
+                return
+            self._lock.wait(timeout=0.002)
+
+    # ------------------------------------------------------------------ codec (its own thread)
+
+    def _codec_loop(self) -> None:
+        ctx = torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else _nullctx()
+        with ctx:
+            while True:
+                with self._lock:
+                    while not (self._ready or self._closed):
+                        self._lock.wait(timeout=0.05)
+                    if self._closed:
+                        return
+                self._codec_once()
+
+    def _codec_once(self) -> None:
+        with self._lock:
+            for sid in self._release:
+                self.flow.release(sid)
+                self.hift.release(sid)
+            self._release.clear()
+            batch = self._take_batch()
+        self._ar_steps_since_codec = 0
+        results = self._run_batch(batch)
+        with self._lock:
+            self._finished.extend(results)
+            self._lock.notify_all()
+
+    def _run_batch(self, batch: list[_Job]) -> list[tuple[_Job, object]]:
         try:
+            jobs = []
+            for j in batch:
+                if j.row.prompt_dev is None:
+                    p = j.row.prompt
+                    j.row.prompt_dev = PromptTensors(p.speech_tokens.to(self.device), p.mel.to(self.device),
+                                                     p.embedding.to(self.device))
+                toks = torch.tensor(j.tokens, dtype=torch.long).to(self.device)
+                jobs.append(FlowJob(_seg_id(j.row.req.request_id, j.seg), toks, j.row.prompt_dev, j.chunk))
             t0 = time.perf_counter()
             mels = self.flow.run(jobs)
             self._busy["flow"] += self._sync_elapsed(t0)
             t0 = time.perf_counter()
-            hjobs = [HiftJob(j.request_id, m.float(), c is None or c.finalize) for j, (_, c), m in zip(jobs, rows, mels)]
-            wavs = self.hift.run(hjobs)
+            hjobs = [HiftJob(fj.request_id, m.float(), j.chunk is None or j.chunk.finalize)
+                     for fj, j, m in zip(jobs, batch, mels)]
+            wavs = [w[0].float().cpu().numpy() for w in self.hift.run(hjobs)]
             self._busy["hift"] += self._sync_elapsed(t0)
         except Exception as e:
             if len(batch) == 1:
-                self._fail(rows[0][0], e)
-            else:  # find the row that broke the packed call; the others still finish
-                log.warning("packed codec call failed (%s: %s); running its rows one by one", type(e).__name__, e)
-                for item in batch:
-                    if item[0] in self._rows:
-                        self._run_batch([item])
-            return
-        for (row, chunk), wav in zip(rows, wavs):
-            audio = wav[0].float().cpu().numpy()
+                return [(batch[0], e)]
+            # Find the row that broke the packed call; the others still finish.
+            log.warning("packed codec call failed (%s: %s); running its rows one by one", type(e).__name__, e)
+            return [r for j in batch for r in self._run_batch([j])]
+        out = []
+        for j, audio in zip(batch, wavs):
             if not np.isfinite(audio).all():
-                self._fail(row, ValueError("non-finite audio"))
-                continue
-            self._events.append(Event(row.req.request_id, "chunk", audio=audio))
-            if chunk is None or chunk.finalize:
-                self._end_segment(row)
-
-    def _end_segment(self, row: _Row) -> None:
-        sid = _seg_id(row.req.request_id, row.seg)
-        self.flow.release(sid)
-        self.hift.release(sid)
-        row.seg += 1
-        if row.seg < len(row.segments):
-            self._start_segment(row)
-        else:
-            self._rows.pop(row.req.request_id, None)
-            self._events.append(Event(row.req.request_id, "done"))
-
-    def _fail(self, row: _Row, e: Exception) -> None:
-        rid = row.req.request_id
-        sid = _seg_id(rid, row.seg)
-        self.flow.release(sid)
-        self.hift.release(sid)
-        self._ready = [j for j in self._ready if j[0] != rid]
-        self._rows.pop(rid, None)
-        self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
+                out.append((j, ValueError("non-finite audio")))
+            else:
+                out.append((j, audio))
+        return out
 
     def _sync_elapsed(self, t0: float) -> float:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - t0
 
 
-def _asdict(dc) -> dict:
-    import dataclasses
+class _nullctx:
+    def __enter__(self):
+        return self
 
-    return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)}
+    def __exit__(self, *exc):
+        return False
 
 
 def _seg_id(request_id: str, seg: int) -> str:
@@ -291,9 +384,3 @@ def _row_id(seg_id: str) -> str:
 
 def _is_first(chunk: Chunk | None) -> bool:
     return chunk is not None and chunk.index == 0
-
-
-def _stable_hash(s: str) -> int:
-    import zlib
-
-    return zlib.crc32(s.encode())

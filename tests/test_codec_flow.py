@@ -238,3 +238,22 @@ def test_sdpa_backend_matches_dense_attention():
     for (a, b), (ko, kl) in zip([(0, 4), (4, 9)], [(0, 4), (7, 12)]):
         want = torch.nn.functional.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[ko : ko + kl].transpose(0, 1), v[ko : ko + kl].transpose(0, 1))
         torch.testing.assert_close(got[a:b], want.transpose(0, 1), rtol=0, atol=1e-6)
+
+
+def test_conv_layouts_agree_and_keep_rows_apart(flow):
+    from cosybatch.codec.dit_step import ConvPositionEmbed
+
+    dit = flow.decoder.estimator
+    k, dim = dit.cfg.conv_pos_kernel, dit.cfg.dim
+    torch.manual_seed(0)
+    a, b = torch.randn(40, dim), torch.randn(25, dim)
+    gap = torch.zeros(k - 1, dim)
+    packed = torch.cat((gap, a, gap, b))
+    valid = torch.cat((torch.zeros(k - 1), torch.ones(40), torch.zeros(k - 1), torch.ones(25)))
+    pe = dit.input_embed
+    with torch.no_grad():
+        want = [pe.conv_pos_embed(x[None])[0] + x for x in (a, b)]
+        for cl in (False, True):
+            got = ConvPositionEmbed(dit, cl)(packed, valid)
+            torch.testing.assert_close(got[k - 1 : k - 1 + 40], want[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got[2 * (k - 1) + 40 :], want[1], rtol=0, atol=1e-5)

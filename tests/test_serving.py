@@ -48,18 +48,21 @@ def _drain(pipe, requests):
     return chunks, ends
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlap"])
 @pytest.mark.parametrize("mode", ["full", "streaming"])
-def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode):
+def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, overlap):
     from cosybatch.profiles import load_profile
     from cosybatch.serving import FastPipeline
 
     models, frontend = parts
     extra = ["optimizations.prefix_reuse=true"] if mode == "streaming" else []
-    profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2"] + extra)
+    profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2",
+                                            f"codec.overlap={str(overlap).lower()}"] + extra)
     pipe = FastPipeline(models, frontend, profile, torch.device("cpu"))
     rows = _rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = _drain(pipe, [(r.utt_id, r, stream) for r in rows])
+    pipe.close()
     assert all(e.kind == "done" for e in ends.values())
     for row in ROWS:
         ref = load_ref(reference_dir, row)

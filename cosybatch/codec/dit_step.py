@@ -74,25 +74,36 @@ class ConvPositionEmbed:
 
     Rows are separated by at least ``kernel - 1`` zero frames (``valid`` = 0) and the first
     conv's output is re-zeroed there, so each row sees exactly the official zero padding.
-    The time-major activations are already a channels-last [1, D, 1, L] image, which is the
-    layout cuDNN's grouped-conv kernels want: no transposes, and the causal alignment comes
-    from symmetric implicit padding with the right-hand overhang dropped.
+    ``channels_last``: the time-major activations already are a channels-last [1, D, 1, L]
+    image, the layout cuDNN's grouped-conv kernels prefer, so no transposes are needed and the
+    causal alignment comes from symmetric implicit padding with the right overhang dropped.
+    Otherwise the module's own [1, D, L] form (faster on CPUs).
     """
 
-    def __init__(self, dit: DiT):
+    def __init__(self, dit: DiT, channels_last: bool):
         pe = dit.input_embed.conv_pos_embed
         self.k = pe.kernel
+        self.channels_last = channels_last
         self.convs = []
         for seq in (pe.conv1, pe.conv2):
             c = seq[0]
-            w = c.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            w = c.weight.detach()
+            if channels_last:
+                w = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
             self.convs.append((w, c.bias.detach(), c.groups))
 
     def __call__(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
-        y = h.t()[None, :, None, :]  # [1, D, 1, L] view, channels-last strides
+        if self.channels_last:
+            y = h.t()[None, :, None, :]  # [1, D, 1, L] view, channels-last strides
+            for i, (w, b, groups) in enumerate(self.convs):
+                y = F.mish(F.conv2d(y, w, b, padding=(0, self.k - 1), groups=groups)[..., :n])
+                if i == 0:
+                    y = y * valid
+            return y[0, :, 0, :].t() + h
+        y = h.t().unsqueeze(0)
         for i, (w, b, groups) in enumerate(self.convs):
-            y = F.mish(F.conv2d(y, w, b, padding=(0, self.k - 1), groups=groups)[..., :n])
+            y = F.mish(F.conv1d(F.pad(y, (self.k - 1, 0)), w, b, groups=groups))
             if i == 0:
                 y = y * valid
-        return y[0, :, 0, :].t() + h
+        return y[0].t() + h

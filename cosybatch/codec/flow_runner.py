@@ -61,6 +61,7 @@ class FlowRunner:
         prefix_budget_bytes: int = DEFAULT_PREFIX_BUDGET,
         chunk_causal_final: bool = False,
         compile: bool = False,
+        conv_channels_last: bool | None = None,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (spec decision 4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute."""
@@ -81,7 +82,9 @@ class FlowRunner:
         self.cache = PrefixCache(self.n_steps, self.cfg.dit.depth, self.inner, self.dtype, self.device, prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
         self._weights = block_weights(self.dit)
-        self._conv = ConvPositionEmbed(self.dit)
+        if conv_channels_last is None:
+            conv_channels_last = self.device.type == "cuda"
+        self._conv = ConvPositionEmbed(self.dit, conv_channels_last)
         self._pre, self._post = block_pre, block_post
         if compile:
             self._pre = torch.compile(block_pre, dynamic=True)
