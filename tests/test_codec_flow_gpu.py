@@ -4,7 +4,8 @@ Random weights at a reduced but realistic width (dim 512, 8 heads of 64), severa
 streaming with prefix reuse plus whole responses, all packed per call.
 
 Stated tolerances (bf16 vs the fp32 official-semantics recompute, 10 Euler steps, CFG):
-relative RMS error <= 5e-2 and max abs error <= 0.5 per output (mels have unit scale here).
+relative RMS error <= 1.5e-2 and max abs error <= 0.1 per output (mels have unit scale here;
+measured on the H200: 4.1e-3 and 2.4e-2; varlen vs SDPA 1.1e-3; reuse vs recompute bit-equal).
 fp32 on the GPU (TF32 off) must match the reference to 2e-4.
 """
 
@@ -21,8 +22,8 @@ from cosybatch.reference.token2wav import PromptTensors, flow_chunk, flow_full
 
 pytestmark = pytest.mark.gpu
 
-BF16_REL_RMS = 5e-2
-BF16_MAX_ABS = 0.5
+BF16_REL_RMS = 1.5e-2
+BF16_MAX_ABS = 0.1
 FP32_TOL = 2e-4
 # Dry runs of this file on a CPU: COSYBATCH_GPU_TEST_DEVICE=cpu pytest -m gpu tests/test_codec_flow_gpu.py
 DEVICE = os.environ.get("COSYBATCH_GPU_TEST_DEVICE", "cuda")
@@ -102,4 +103,4 @@ def test_bf16_varlen_equals_sdpa_and_reuse_equals_recompute(setup):
     kernels = max(_rel_rms(x[1], y[1]) for x, y in zip(a, b))
     reuse = max(_rel_rms(x[1], y[1]) for x, y in zip(a, c))
     print(f"bf16 varlen vs sdpa rel RMS {kernels:.2e}; reuse vs recompute rel RMS {reuse:.2e}")
-    assert kernels <= 2e-2 and reuse <= 2e-2
+    assert kernels <= 5e-3 and reuse <= 5e-3

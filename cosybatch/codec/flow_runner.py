@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.codec.attention import make_backend
-from cosybatch.codec.dit_step import ConvPositionEmbed, block_modulation, block_post, block_pre, block_weights, rotary_tables
+from cosybatch.codec.dit_step import ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional, block_weights, rotary_tables
 from cosybatch.codec.hops import Chunk
 from cosybatch.codec.packing import POOL, SCRATCH, SELF, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
@@ -87,9 +87,11 @@ class FlowRunner:
         self._conv = ConvPositionEmbed(self.dit, conv_channels_last)
         self._pre, self._post = block_pre, block_post
         if compile:
-            self._pre = torch.compile(block_pre, dynamic=True)
+            self._pre = torch.compile(block_pre_functional, dynamic=True)
             self._post = torch.compile(block_post, dynamic=True)
-        self.stats = {"calls": 0, "jobs": 0, "tokens": 0, "cached_tokens": 0, "attn_pairs": 0, "output_frames": 0}
+        # tokens: transformer rows run (CFG twins included); cached_tokens: rows reused instead;
+        # uncached_hops: streaming hops recomputed from frame 0 because the budget was full.
+        self.stats = {"calls": 0, "jobs": 0, "tokens": 0, "cached_tokens": 0, "attn_pairs": 0, "output_frames": 0, "uncached_hops": 0}
         self._schedule()
 
     # ------------------------------------------------------------------ setup
@@ -157,6 +159,7 @@ class FlowRunner:
             self.cache.drop(key)
         st = self.cache.reserve(key, p.frames, cpu)
         if st is None:
+            self.stats["uncached_hops"] += 1
             return  # over budget: recompute this hop from frame 0 like the official code
         if not reuse:
             st.complete, st.traj, st.traj_start = 0, None, 0
