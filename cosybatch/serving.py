@@ -87,6 +87,11 @@ class FastPipeline:
             ar["cuda_graphs"] = False
         self.engine = LLMEngine(models.llm, EngineConfig.from_mapping(ar))
         opt = profile.optimizations
+        if opt.flow_graphs:
+            raise ValueError("optimizations.flow_graphs is not implemented by the packed flow yet")
+        if not opt.cached_istft:
+            log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
+                        "ISTFT (bit-equal to torch.istft)")
         self.flow = FlowRunner(
             models.flow,
             dtype=resolve_dtype(profile.codec.flow_dtype, device),

@@ -23,7 +23,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 prof() {  # name concurrency prompts warmups [extra...]
   local p=$1 c=$2 n=$3 w=$4; shift 4
-  timeout 200 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
+  timeout 150 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
     --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" 2>&1 | tail -24 | tee -a "$OUT/profile.txt"
 }
 if [[ $what == profile || $what == all ]]; then
@@ -33,7 +33,7 @@ if [[ $what == profile || $what == all ]]; then
 fi
 if [[ $what == synth || $what == all ]]; then
   head -n 512 $WL/meta.lst > $WL/synth512.lst
-  ( time timeout 200 $CB synth $WL/synth512.lst --model $CKPT --out /tmp/synth-out --device cuda --quiet ) 2>&1 | tail -5 | tee "$OUT/synth.txt"
+  ( time timeout 120 $CB synth $WL/synth512.lst --model $CKPT --out /tmp/synth-out --device cuda --quiet ) 2>&1 | tail -5 | tee "$OUT/synth.txt"
   python3 - <<'PY' | tee -a "$OUT/synth.txt"
 import json; t = json.load(open("/tmp/synth-out/timing.json")); print(json.dumps(t.get("totals", t.get("summary", {})), indent=1))
 PY
