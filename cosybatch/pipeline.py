@@ -83,7 +83,7 @@ class FastSynthesizer:
         self.device = device
         self.profile = profile
         models = load_models(model_dir, device=str(device))
-        self.pipeline = FastPipeline(models, Frontend(model_dir, models.cfg), profile, device)
+        self.pipeline = FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, device)
         self.sample_rate = models.cfg.sample_rate
         # Flow tokens -> samples is exact (2 mel frames per token, 480 samples per frame).
         self.samples_per_token = models.cfg.hift.samples_per_frame * models.cfg.flow.token_mel_ratio
@@ -171,4 +171,4 @@ def build_streaming_pipeline(model: str, device: str, profile):
     model_dir = resolve_model_dir(model)
     dev = pick_device(device)
     models = load_models(model_dir, device=str(dev))
-    return FastPipeline(models, Frontend(model_dir, models.cfg), profile, dev)
+    return FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, dev)

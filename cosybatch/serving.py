@@ -85,7 +85,17 @@ class FastPipeline:
         ar = {f.name: getattr(profile.ar, f.name) for f in fields(profile.ar)}
         if device.type != "cuda":
             ar["cuda_graphs"] = False
-        self.engine = LLMEngine(models.llm, EngineConfig.from_mapping(ar))
+        # The AR step is short and on the critical path of every row; a high-priority stream
+        # lets its blocks in between the codec's long GEMMs instead of queueing behind them.
+        self._ar_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        if device.type == "cuda" and profile.codec.frontend_workers > 1:
+            # Parallelism comes from the frontend workers; intra-op threads on top of them
+            # oversubscribe the CPU that the engine and codec threads need for launches.
+            log.info("torch intra-op threads: %d -> 1 (codec.frontend_workers=%d)", torch.get_num_threads(),
+                     profile.codec.frontend_workers)
+            torch.set_num_threads(1)
+        with self._on_ar_stream():
+            self.engine = LLMEngine(models.llm, EngineConfig.from_mapping(ar))
         opt = profile.optimizations
         if opt.flow_graphs:
             raise ValueError("optimizations.flow_graphs is not implemented by the packed flow yet")
@@ -143,7 +153,8 @@ class FastPipeline:
         progressed |= self._collect()
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
-            outs = self.engine.step()
+            with self._on_ar_stream():
+                outs = self.engine.step()
             self._busy["ar"] += time.perf_counter() - t0  # step() already waits for its tokens
             self._ar_steps_since_codec += 1
             with self._lock:
@@ -162,6 +173,9 @@ class FastPipeline:
             self._idle_wait()
         events, self._events = self._events, []
         return events
+
+    def _on_ar_stream(self):
+        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else _nullctx()
 
     def close(self) -> None:
         with self._lock:
@@ -230,8 +244,10 @@ class FastPipeline:
             P = row.prompt.speech_tokens.shape[1]
             row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
         try:
-            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens[0],
-                                    self._params(row.req, row.seg), request_id=_seg_id(row.req.request_id, row.seg))
+            with self._on_ar_stream():
+                self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens[0],
+                                        self._params(row.req, row.seg),
+                                        request_id=_seg_id(row.req.request_id, row.seg))
         except Exception as e:
             self._fail(row, e)
 

@@ -23,12 +23,12 @@ if [[ $what == tests || $what == all ]]; then
 fi
 prof() {  # name concurrency prompts warmups [extra...]
   local p=$1 c=$2 n=$3 w=$4; shift 4
-  timeout 150 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
-    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" 2>&1 | tail -24 | tee -a "$OUT/profile.txt"
+  timeout 110 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
+    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" 2>&1 | tail -26 | tee -a "$OUT/profile.txt"
 }
 if [[ $what == profile || $what == all ]]; then
   prof packed_streaming_optimized_standard 32 512 32
-  prof packed_streaming_optimized_standard 64 768 64
+  prof packed_streaming_optimized_standard 64 768 64 --set ar.max_num_seqs=64 --set codec.max_num_seqs=64
   prof default 256 1024 64
 fi
 if [[ $what == synth || $what == all ]]; then
