@@ -129,7 +129,7 @@ def _check_audio(audio: Any) -> np.ndarray:
             raise ValueError(f"audio must be mono, got shape {tuple(a.shape)}")
         a = a.reshape(-1)
     if a.size == 0:
-        raise ValueError("empty audio")
+        raise ValueError("empty audio (the speech LM stopped before its first speech token)")
     bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
     if bad:
         raise ValueError(f"non-finite audio ({bad} NaN/inf samples)")
