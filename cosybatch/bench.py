@@ -317,7 +317,6 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
 
-    from cosybatch.manifest import ManifestError, read_manifest
     from cosybatch.profiles import ProfileError, load_profile
     from cosybatch.progress import setup_logging
     from cosybatch import workload
@@ -330,12 +329,9 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     if manifest is None:
         where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
         manifest = workload.ensure(where, workload.default_sources())
-    try:
-        man = read_manifest(manifest)
-    except ManifestError as e:
-        _fail(str(e))
-    for p in man.problems:
-        log.warning("%s (row skipped)", p)
+    from cosybatch.cli import _load_manifest  # cli imports this module; import late
+
+    man = _load_manifest(manifest)
     if not man.rows:
         _fail(f"{manifest}: no usable rows")
     rows = _select_rows(man.rows, num_prompts, seed)

@@ -48,7 +48,8 @@ def test_seed_profile_matches_the_anchor():
         "standard", 0.7, 0.8, 20, 1.21, 42, 2048)
     assert dict(p.requires) == {"sampling.mode": "standard", "mode": "streaming"}
     # inherited from packed_streaming
-    assert p.codec.flow_dtype == "bfloat16" and p.codec.hift_dtype == "float32"
+    # auto = bfloat16 on CUDA (the anchor's BF16 flow), float32 on CPU (parity runs)
+    assert p.codec.flow_dtype == "auto" and p.codec.hift_dtype == "float32"
     assert p.sources[0].endswith("packed_streaming.yaml")
     assert p.origin("ar.max_num_seqs").endswith("packed_streaming_optimized_standard.yaml")
     assert p.origin("codec.flow_dtype").endswith("packed_streaming.yaml")
@@ -65,7 +66,7 @@ def test_base_and_reference_profiles():
     d = load_profile("default")
     assert d == load_profile(None)
     assert (d.engine, d.mode, d.sampling.mode) == ("fast", "full", "checkpoint")
-    assert d.ar.max_num_seqs >= 128 and d.codec.flow_dtype == "bfloat16" and d.codec.hift_dtype == "float32"
+    assert d.ar.max_num_seqs >= 128 and d.codec.flow_dtype == "auto" and d.codec.hift_dtype == "float32"
 
 
 def test_to_dict_round_trips_the_keys():
@@ -256,7 +257,7 @@ def test_reference_engine_refuses_fast_settings():
     assert msg == (f"profile 'reference' ({path}): engine=reference runs the exact one-request path and does "
                    "not use ar.max_num_seqs=8 (from --set ar.max_num_seqs=8); unset it or use engine=fast")
     msg = err("packed_streaming", ["engine=reference"])
-    assert "does not use ar.dtype=bfloat16 (from " in msg and "codec.flow_dtype=bfloat16" in msg
+    assert "does not use ar.dtype=auto (from " in msg and "codec.flow_dtype=auto" in msg
     assert "ar.max_num_seqs" not in msg  # 64 is the schema default: nothing to ignore
 
 

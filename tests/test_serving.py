@@ -91,3 +91,11 @@ def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
     chunks, ends = _drain(pipe, [("bad", bad, False), ("good", good, False)])
     assert ends["bad"].kind == "error" and "bad.wav" in ends["bad"].error
     assert ends["good"].kind == "done" and len(chunks["good"]) == 1
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_float32_on_cpu():
+    from cosybatch.serving import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
