@@ -93,6 +93,10 @@ class FastSynthesizer:
     def fingerprint(self) -> dict:
         return {"model": str(self.model_dir), "engine": "fast", "profile": self.profile.to_dict()}
 
+    def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage has been busy; rows share batches, so stages are timed per run."""
+        return self.pipeline.stage_busy()
+
     def describe(self) -> dict:
         return {"model": str(self.model_dir), "device": str(self.device), "engine": "fast",
                 "profile": self.profile.name, "cosybatch": cosybatch.__version__, "torch": torch.__version__,

@@ -234,6 +234,7 @@ class _Run:
             for r in self.rows if r.utt_id in self.plan.done}
         self.counts = {"ok": 0, "failed": 0, "skipped": len(self.plan.done), "invalid": len(self.invalid)}
         self.sums = {k: 0.0 for k in ("audio_s", "tokens", *TIMING_KEYS)}
+        self.reported: set[str] = set()  # timing keys some row reported (batched paths lack per-row stages)
         self.failed: list[str] = []
         self.system = _system_info(self.synth)
         self.timing = TimingWriter(self.timing_path, self.interval, tag=self.shard.tag)
@@ -250,7 +251,10 @@ class _Run:
                 "audio_s_all": round(audio + sum(r.get("audio_s") or 0.0 for r in self.timing_rows.values()
                                                  if r.get("resumed")), 4),
                 "tokens": int(self.sums["tokens"]),
-                **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS if k != "first_chunk_s"},
+                **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS
+                   if k != "first_chunk_s" and k in self.reported},
+                **({"stage_busy_s": {k: round(v, 4) for k, v in self.synth.stage_busy().items()}}
+                   if hasattr(self.synth, "stage_busy") else {}),
                 "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
 
     def timing_doc(self, complete: bool) -> dict[str, Any]:
@@ -362,7 +366,9 @@ class _Run:
             self.sums["audio_s"] += audio_s
             self.sums["tokens"] += tokens
             for k in TIMING_KEYS:
-                self.sums[k] += timings.get(k) or 0.0
+                if timings.get(k) is not None:
+                    self.sums[k] += timings[k]
+                    self.reported.add(k)
             self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)

@@ -131,6 +131,10 @@ class FastPipeline:
         self._ar_steps_since_codec = 0
         self._closed = False
         self._codec_thread = None
+        if device.type == "cuda":
+            # Set-up kernels (weights, schedules, graph capture) ran on other streams; the codec
+            # and AR streams must not start before they are done.
+            torch.cuda.synchronize(device)
         if profile.codec.overlap:
             self._codec_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             self._codec_thread = threading.Thread(target=self._codec_loop, name="cosybatch-codec", daemon=True)
