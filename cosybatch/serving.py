@@ -18,6 +18,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
@@ -179,7 +180,7 @@ class FastPipeline:
         return events
 
     def _on_ar_stream(self):
-        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else _nullctx()
+        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else nullcontext()
 
     def close(self) -> None:
         with self._lock:
@@ -330,7 +331,7 @@ class FastPipeline:
     # ------------------------------------------------------------------ codec (its own thread)
 
     def _codec_loop(self) -> None:
-        ctx = torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else _nullctx()
+        ctx = torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else nullcontext()
         with ctx:
             while True:
                 with self._lock:
@@ -389,14 +390,6 @@ class FastPipeline:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - t0
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _seg_id(request_id: str, seg: int) -> str:
