@@ -66,6 +66,8 @@ class Optimizations:
     hift_graph_capacity: int = 32
     hift_graph_counters: int = 128
     hift_graph_capture_after: int = 3
+    # [requests per batch, window frames] pairs captured at start-up, before the first request
+    hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
     flow_graphs: bool = False
     flow_compile: bool = False
     prefix_reuse: bool = False
@@ -233,6 +235,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "ar.kv_cache_gb": (lambda v: v is None or v > 0, "must be > 0"),
     "ar.max_prefill_tokens": (lambda v: v >= 1, "must be >= 1"),
     "ar.graph_batch_sizes": (lambda v: len(v) > 0 and all(b >= 1 for b in v), "must be a non-empty list of sizes >= 1"),
+    "optimizations.hift_graph_precapture": (lambda v: all(len(p) == 2 and min(p) >= 1 for p in v),
+                                            "must be a list of [requests, frames] pairs >= 1"),
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
     "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
@@ -283,6 +287,9 @@ def cross_check(p: Profile, who: str) -> None:
     if o.hift_graphs and not o.cached_istft:
         raise ProfileError(f"{who}: {at('optimizations.hift_graphs')} requires optimizations.cached_istft=true "
                            "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")
+    if o.hift_graph_precapture and not o.hift_graphs:
+        raise ProfileError(f"{who}: optimizations.hift_graph_precapture needs optimizations.hift_graphs=true, "
+                           f"got {at('optimizations.hift_graphs')}")
     if o.hift_graph_counters < o.hift_graph_capacity:
         raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
                            f"{at('optimizations.hift_graph_capacity')} (every graphed shape keeps a counter)")

@@ -119,6 +119,9 @@ class FastPipeline:
             raise ValueError("codec.hift_dtype: HiFT runs in float32 (F0 in float64); "
                              f"{profile.codec.hift_dtype} is not implemented")
         self.hift = HiftRunner(models.hift, graphs=graphs, max_batch=self.max_codec)
+        if graphs and opt.hift_graph_precapture:
+            n = self.hift.precapture(opt.hift_graph_precapture)
+            log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(opt.hift_graph_precapture))
 
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(profile.codec.frontend_workers, thread_name_prefix="cosybatch-frontend")

@@ -315,3 +315,14 @@ def test_profile_get_and_default_tree():
     p = Profile()
     assert p.get("ar.max_num_seqs") == 64 and p.get("mode") == "full"
     assert p.optimizations.chunk_causal_final is False
+
+
+def test_hift_graph_precapture_shapes():
+    p = load_profile("packed_streaming_optimized_standard", ["optimizations.hift_graph_precapture=[[1, 96], [8, 128]]"])
+    assert p.optimizations.hift_graph_precapture == ((1, 96), (8, 128))
+    with pytest.raises(ProfileError, match=r"hift_graph_precapture.*\[requests, frames\] pairs"):
+        load_profile("packed_streaming_optimized_standard", ["optimizations.hift_graph_precapture=[[1, 96, 3]]"])
+    with pytest.raises(ProfileError, match=r"hift_graph_precapture: expected a list of a list of an integer"):
+        load_profile("packed_streaming_optimized_standard", ["optimizations.hift_graph_precapture=[[1, x]]"])
+    with pytest.raises(ProfileError, match=r"hift_graph_precapture needs optimizations.hift_graphs=true"):
+        load_profile("packed_streaming", ["optimizations.hift_graph_precapture=[[1, 96]]"])
