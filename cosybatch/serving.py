@@ -22,11 +22,11 @@ from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
-import numpy as np
 import torch
 
-from cosybatch.codec.flow_runner import FlowJob, FlowRunner
-from cosybatch.codec.hift_runner import HiftJob, HiftRunner
+from cosybatch.codec.flow_runner import FlowRunner
+from cosybatch.codec.hift_runner import HiftRunner
+from cosybatch.codec.stage import CodecJob, CodecStage, take_batch
 from cosybatch.codec.hops import Chunk, HopSchedule, SegmentPlanner
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.llm_engine import LLMEngine
@@ -56,15 +56,6 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # flow tokens of the current segment
     llm_done: bool = False
     planner: SegmentPlanner | None = None
-    prompt_dev: PromptTensors | None = None
-
-
-@dataclass
-class _Job:
-    row: _Row
-    seg: int
-    chunk: Chunk | None  # None: the whole response (mode full)
-    tokens: list[int]
 
 
 class FastPipeline:
@@ -103,7 +94,7 @@ class FastPipeline:
         if not opt.cached_istft:
             log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
                         "ISTFT (bit-equal to torch.istft)")
-        self.flow = FlowRunner(
+        flow = FlowRunner(
             models.flow,
             dtype=resolve_dtype(profile.codec.flow_dtype, device),
             attention=profile.codec.attention,
@@ -118,21 +109,24 @@ class FastPipeline:
         if profile.codec.hift_dtype not in ("float32", "auto"):
             raise ValueError("codec.hift_dtype: HiFT runs in float32 (F0 in float64); "
                              f"{profile.codec.hift_dtype} is not implemented")
-        self.hift = HiftRunner(models.hift, graphs=graphs, max_batch=self.max_codec)
+        hift = HiftRunner(models.hift, graphs=graphs, max_batch=self.max_codec)
         if graphs and opt.hift_graph_precapture:
-            n = self.hift.precapture(opt.hift_graph_precapture)
+            n = hift.precapture(opt.hift_graph_precapture)
             log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(opt.hift_graph_precapture))
 
+        self.codec = CodecStage(flow, hift, device)
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(profile.codec.frontend_workers, thread_name_prefix="cosybatch-frontend")
         self._preparing: dict[str, Future] = {}
         self._rows: dict[str, _Row] = {}
-        self._ready: list[_Job] = []  # hops whose tokens exist, waiting for the codec
+        self._ready: list[CodecJob] = []  # hops whose tokens exist, waiting for the codec
         self._finished: deque = deque()  # (job, audio | Exception) back from the codec
-        self._release: list[str] = []  # segment ids whose codec state can go
+        self._release: list[tuple[str, str | None]] = []  # (segment id, row id when the row ends)
         self._events: list[Event] = []
-        self._busy = {"frontend": 0.0, "ar": 0.0, "flow": 0.0, "hift": 0.0}
+        self._busy = {"frontend": 0.0, "ar": 0.0}
         self._ar_steps_since_codec = 0
+        self._codec_error: Exception | None = None
+        self._busy_lock = threading.Lock()
         self._closed = False
         self._codec_thread = None
         if device.type == "cuda":
@@ -154,19 +148,31 @@ class FastPipeline:
             return bool(self._preparing or self._rows or self._events or self._finished)
 
     def stage_busy(self) -> dict[str, float]:
-        return dict(self._busy)
+        return {**self._busy, **self.codec.busy}
 
     def step(self) -> list[Event]:
         progressed = self._admit()
         progressed |= self._collect()
+        if self._codec_error is not None:
+            e, self._codec_error = self._codec_error, None
+            for row in list(self._rows.values()):
+                self._fail(row, e)
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
-            with self._on_ar_stream():
-                outs = self.engine.step()
+            try:
+                with self._on_ar_stream():
+                    outs = self.engine.step()
+            except Exception as e:  # e.g. out of memory in a prefill: fail the decoding rows, keep going
+                log.error("AR engine step failed (%s: %s); failing the rows it was decoding", type(e).__name__, e)
+                for row in [r for r in self._rows.values() if not r.llm_done]:
+                    self._fail(row, e)
+                outs = []
             self._busy["ar"] += time.perf_counter() - t0  # step() already waits for its tokens
             self._ar_steps_since_codec += 1
             with self._lock:
                 for out in outs:
+                    if out.finished:
+                        self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
                     row = self._rows.get(_row_id(out.request_id))
                     if row is not None:
                         row.tokens.extend(out.new_tokens)
@@ -207,7 +213,8 @@ class FastPipeline:
             feats = self.frontend.prompt(req.row.prompt_wav)
             text = self.frontend.prepare(req.row.prompt_text, req.row.target_text)
         finally:
-            self._busy["frontend"] += time.perf_counter() - t0
+            with self._busy_lock:  # several pool threads add to it
+                self._busy["frontend"] += time.perf_counter() - t0
         prompt = PromptTensors(feats.speech_tokens[None].long(), feats.mel, feats.embedding)
         first, mx, scale = self.hops
         return _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
@@ -228,9 +235,10 @@ class FastPipeline:
 
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling
-        # Each segment gets its own random stream, derived from the run seed and the request,
-        # so tokens do not depend on what else is in flight.
-        seed = (s.seed * 1_000_003 + zlib.crc32(req.request_id.encode()) * 101 + seg) % (2**63)
+        # Each segment gets its own random stream, derived from the run seed and the row's id,
+        # so tokens depend neither on what else is in flight nor on the row's place in the run.
+        key = getattr(req.row, "utt_id", req.request_id)  # not the request id: resume/shard/order-proof
+        seed = (s.seed * 1_000_003 + zlib.crc32(str(key).encode()) * 101 + seg) % (2**63)
         kw = dict(seed=seed, enforce_min_len=s.enforce_min_len, force_length=self._forced(req, seg),
                   max_tokens=s.max_tokens)
         if s.mode == "standard":
@@ -264,51 +272,43 @@ class FastPipeline:
     def _plan(self, row: _Row) -> None:
         if row.planner is not None:
             while (chunk := row.planner.next_chunk(len(row.tokens), row.llm_done)) is not None:
-                self._ready.append(_Job(row, row.seg, chunk, row.tokens[: chunk.end]))
+                self._ready.append(self._job(row, chunk, row.tokens[: chunk.end]))
         elif row.llm_done:
-            self._ready.append(_Job(row, row.seg, None, list(row.tokens)))
+            self._ready.append(self._job(row, None, list(row.tokens)))
+
+    @staticmethod
+    def _job(row: _Row, chunk: Chunk | None, tokens: list[int]) -> CodecJob:
+        rid = row.req.request_id
+        return CodecJob(_seg_id(rid, row.seg), rid, row.prompt, chunk, tokens, row.seg)
 
     def _codec_due(self) -> bool:
         # Inline codec: batch hops, but never hold back a first hop (time to first audio) and
         # never leave the GPU idle while hops wait.
         if not self.engine.has_unfinished() or len(self._ready) >= self.max_codec:
             return True
-        if any(_is_first(j.chunk) for j in self._ready):
+        if any(j.first for j in self._ready):
             return True
         return self._ar_steps_since_codec >= 8
-
-    def _take_batch(self) -> list[_Job]:
-        """First hops first, then the oldest; one hop per segment per call (HiFT state is sequential)."""
-        order = sorted(range(len(self._ready)), key=lambda i: (not _is_first(self._ready[i].chunk), i))
-        take, seen = [], set()
-        for i in order:
-            key = _seg_id(self._ready[i].row.req.request_id, self._ready[i].seg)
-            if key in seen or len(take) >= self.max_codec:
-                continue
-            seen.add(key)
-            take.append(i)
-        taken = set(take)
-        batch = [self._ready[i] for i in sorted(take)]
-        self._ready = [j for i, j in enumerate(self._ready) if i not in taken]
-        return batch
 
     def _collect(self) -> bool:
         """Turn finished codec work into events, next segments and done/error (main thread)."""
         with self._lock:
             finished, self._finished = list(self._finished), deque()
         for job, out in finished:
-            row, rid = job.row, job.row.req.request_id
-            if rid not in self._rows:
+            rid = job.row_id
+            row = self._rows.get(rid)
+            if row is None:
                 continue  # the row already failed
             if isinstance(out, Exception):
                 self._fail(row, out)
                 continue
             self._events.append(Event(rid, "chunk", audio=out))
             if job.chunk is None or job.chunk.finalize:
-                with self._lock:
-                    self._release.append(_seg_id(rid, job.seg))
                 row.seg += 1
-                if row.seg < len(row.segments):
+                last = row.seg == len(row.segments)
+                with self._lock:
+                    self._release.append((job.seg_id, rid if last else None))
+                if not last:
                     self._start_segment(row)
                 else:
                     with self._lock:
@@ -318,9 +318,10 @@ class FastPipeline:
 
     def _fail(self, row: _Row, e: Exception) -> None:
         rid = row.req.request_id
+        self.engine.abort(_seg_id(rid, row.seg))
         with self._lock:
-            self._release.append(_seg_id(rid, row.seg))
-            self._ready = [j for j in self._ready if j.row is not row]
+            self._release.append((_seg_id(rid, row.seg), rid))
+            self._ready = [j for j in self._ready if j.row_id != rid]
             self._rows.pop(rid, None)
         self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
 
@@ -342,57 +343,26 @@ class FastPipeline:
                         self._lock.wait(timeout=0.05)
                     if self._closed:
                         return
-                self._codec_once()
+                try:
+                    self._codec_once()
+                except Exception as e:  # never die silently: the main thread fails the rows in flight
+                    log.exception("codec thread error")
+                    with self._lock:
+                        self._codec_error = e
+                        self._ready.clear()
+                        self._lock.notify_all()
 
     def _codec_once(self) -> None:
         with self._lock:
-            for sid in self._release:
-                self.flow.release(sid)
-                self.hift.release(sid)
+            for sid, rid in self._release:
+                self.codec.release(sid, rid)
             self._release.clear()
-            batch = self._take_batch()
+            batch, self._ready = take_batch(self._ready, self.max_codec)
         self._ar_steps_since_codec = 0
-        results = self._run_batch(batch)
+        results = self.codec.run(batch)
         with self._lock:
             self._finished.extend(results)
             self._lock.notify_all()
-
-    def _run_batch(self, batch: list[_Job]) -> list[tuple[_Job, object]]:
-        try:
-            jobs = []
-            for j in batch:
-                if j.row.prompt_dev is None:
-                    p = j.row.prompt
-                    j.row.prompt_dev = PromptTensors(p.speech_tokens.to(self.device), p.mel.to(self.device),
-                                                     p.embedding.to(self.device))
-                toks = torch.tensor(j.tokens, dtype=torch.long).to(self.device)
-                jobs.append(FlowJob(_seg_id(j.row.req.request_id, j.seg), toks, j.row.prompt_dev, j.chunk))
-            t0 = time.perf_counter()
-            mels = self.flow.run(jobs)
-            self._busy["flow"] += self._sync_elapsed(t0)
-            t0 = time.perf_counter()
-            hjobs = [HiftJob(fj.request_id, m.float(), j.chunk is None or j.chunk.finalize)
-                     for fj, j, m in zip(jobs, batch, mels)]
-            wavs = [w[0].float().cpu().numpy() for w in self.hift.run(hjobs)]
-            self._busy["hift"] += self._sync_elapsed(t0)
-        except Exception as e:
-            if len(batch) == 1:
-                return [(batch[0], e)]
-            # Find the row that broke the packed call; the others still finish.
-            log.warning("packed codec call failed (%s: %s); running its rows one by one", type(e).__name__, e)
-            return [r for j in batch for r in self._run_batch([j])]
-        out = []
-        for j, audio in zip(batch, wavs):
-            if not np.isfinite(audio).all():
-                out.append((j, ValueError("non-finite audio")))
-            else:
-                out.append((j, audio))
-        return out
-
-    def _sync_elapsed(self, t0: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter() - t0
 
 
 def _seg_id(request_id: str, seg: int) -> str:
@@ -401,7 +371,3 @@ def _seg_id(request_id: str, seg: int) -> str:
 
 def _row_id(seg_id: str) -> str:
     return seg_id.rsplit("#", 1)[0]
-
-
-def _is_first(chunk: Chunk | None) -> bool:
-    return chunk is not None and chunk.index == 0

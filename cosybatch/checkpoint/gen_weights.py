@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cosybatch.config import ModelConfig

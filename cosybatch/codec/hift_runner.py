@@ -27,6 +27,8 @@ source STFT -> waveform) runs through the optional ``GraphCache``.
 
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
@@ -184,6 +186,20 @@ class HiftRunner:
         jobs = [j if isinstance(j, HiftJob) else HiftJob(*j) for j in jobs]
         for j in jobs:
             self._check(j)
+        # All or nothing: planning advances each request's state before decoding, so a failed
+        # call (e.g. out of memory) must put the states back for the caller's retry to be exact.
+        saved = {j.request_id: copy.copy(self._states.get(j.request_id)) for j in jobs}
+        try:
+            return self._run(jobs)
+        except BaseException:
+            for rid, st in saved.items():
+                if st is None:
+                    self._states.pop(rid, None)
+                else:
+                    self._states[rid] = st
+            raise
+
+    def _run(self, jobs: list[HiftJob]) -> list[torch.Tensor]:
         outs: list[torch.Tensor | None] = [None] * len(jobs)
         pending = list(range(len(jobs)))
         while pending:  # rounds: one job per request each

@@ -106,9 +106,14 @@ class PrefixCache:
         size = min(max(self.slab_frames, n), self.budget_frames - have)
         if size < n:
             return None
+        try:
+            slab = _Slab(self.shape_head + (size, self.inner), self.dtype, self.device)
+        except torch.OutOfMemoryError:
+            # The budget is a cap, not a promise of free memory: recompute instead of failing.
+            return None
         i = self._next_slab
         self._next_slab += 1
-        self.slabs[i] = _Slab(self.shape_head + (size, self.inner), self.dtype, self.device)
+        self.slabs[i] = slab
         return i, self.slabs[i].alloc(n)
 
     def _release(self, slab: int, start: int, n: int) -> None:

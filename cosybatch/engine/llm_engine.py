@@ -82,6 +82,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         return rid
 
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its row failed elsewhere) and free its slot and KV blocks."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.status == SeqStatus.FINISHED:
+            return
+        if seq.status == SeqStatus.WAITING:
+            self.scheduler.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        else:
+            self._finish(seq, "abort", register=True, announce=False)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
