@@ -59,7 +59,7 @@ def _resolve_shard(spec: str | None) -> Shard:
     except ShardError as e:
         raise click.UsageError(str(e)) from None
     if shard.count > 1:
-        log.info("shard %s (from %s)", shard, source)
+        log.warning("running shard %s only (from %s)", shard, source)
     return shard
 
 
@@ -86,9 +86,15 @@ def _load_factory(spec: str) -> Callable[..., Any]:
 
 def _device_for(device: str) -> str:
     # Under torchrun every process would otherwise pile onto cuda:0.
-    if device == "cuda" and "LOCAL_RANK" in os.environ:
+    if device in ("cuda", "auto") and "LOCAL_RANK" in os.environ and _cuda_available():
         return f"cuda:{os.environ['LOCAL_RANK']}"
     return device
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -125,7 +131,8 @@ def cli() -> None:
               help="Checkpoint directory or Hugging Face repo id (local cache only).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output folder: <utt_id>.wav, ledger.jsonl, timing.json.")
-@click.option("--stream/--no-stream", default=False, show_default=True, help="Streaming (chunked) synthesis.")
+@click.option("--stream/--no-stream", default=None,
+              help="Streaming (chunked) synthesis. Default: the profile's mode (full for `default`).")
 @click.option("--device", default="auto", show_default=True, callback=_check_device, help="cpu, cuda, cuda:N or auto.")
 @click.option("--wav-subtype", default="PCM_16", show_default=True, metavar="[PCM_16|FLOAT]",
               callback=_check_subtype, help="16-bit integer or 32-bit float samples.")
@@ -140,7 +147,7 @@ def cli() -> None:
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging with tracebacks.")
 @click.option("--synthesizer", "factory", default=DEFAULT_FACTORY, hidden=True)
 @_interruptible
-def synth(manifest: Path, model: str, out_dir: Path, stream: bool, device: str, wav_subtype: str,
+def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device: str, wav_subtype: str,
           profile: str | None, overrides: list[str], strict: bool, overwrite: bool,
           shard_spec: str | None, quiet: bool, verbose: bool, factory: str) -> None:
     """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT.
@@ -161,6 +168,8 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool, device: str, 
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
     try:
+        if stream is None:
+            stream = bool(getattr(synthesizer, "streaming", False))
         report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype,
                            overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
     except RunError as e:

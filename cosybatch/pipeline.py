@@ -1,8 +1,14 @@
-"""Wires frontend -> LM -> codec for the CLI: one object that turns a manifest row into audio."""
+"""Wires frontend -> LM -> codec for the CLI: objects that turn manifest rows into audio.
+
+``ReferenceSynthesizer`` runs the slow exact path one row at a time; ``FastSynthesizer`` keeps
+many rows in flight through ``serving.FastPipeline``. ``build_synthesizer`` (``synth``) and
+``build_streaming_pipeline`` (``profile``) pick one from a profile.
+"""
 
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,8 +21,8 @@ import cosybatch
 class RowResult:
     audio: np.ndarray  # float32 mono at sample_rate
     sample_rate: int
-    tokens: int  # speech tokens the LM generated (all segments)
-    timings: dict[str, float]  # frontend_s, llm_s, flow_s, hift_s, first_chunk_s, total_s
+    tokens: int  # speech tokens behind the audio
+    timings: dict[str, float]  # frontend_s, llm_s, flow_s, hift_s, first_chunk_s, total_s (what is known)
     chunks: int
 
 
@@ -28,37 +34,40 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _describe(model_dir, device, engine: str, **extra) -> dict:
+    return {"model": str(model_dir), "device": str(device), "engine": engine, **extra,
+            "cosybatch": cosybatch.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
 class ReferenceSynthesizer:
     """The exact, sequential path (profile ``reference``)."""
 
-    def __init__(self, model_dir, device: torch.device, seed: int = 0):
+    def __init__(self, model_dir, device: torch.device, profile=None):
         from cosybatch.checkpoint import load_models
         from cosybatch.frontend import Frontend
+        from cosybatch.profiles import effective_sampling, load_profile
         from cosybatch.reference.pipeline import ReferencePipeline
-        from cosybatch.text.tokenizer import CosyVoice3Tokenizer
 
-        self.model_dir = model_dir
-        self.device = device
+        profile = profile or load_profile("reference")
+        s = profile.sampling
+        # Refuse what the one-request path does not implement instead of ignoring it.
+        if s.mode == "standard" or s.max_tokens is not None or (profile.hops.first, profile.hops.max) != (None, None):
+            raise ValueError("the reference engine implements RAS sampling with the official 25 -> 100 hops only "
+                             "(no sampling.mode=standard, sampling.max_tokens or hops.*)")
+        self.model_dir, self.device = model_dir, device
         self.models = load_models(model_dir, device=str(device))
-        tokenizer = CosyVoice3Tokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
-        self.frontend = Frontend(model_dir, self.models.cfg, tokenizer)
+        self.frontend = Frontend(model_dir, self.models.cfg)
         self.sample_rate = self.models.cfg.sample_rate
-        self.seed = seed
-        self.pipeline = ReferencePipeline(self.models, self.frontend, device, seed=seed)
+        self.streaming = profile.mode == "streaming"
+        self.sampling = effective_sampling(s, self.models.cfg.llm.sampling)
+        self.pipeline = ReferencePipeline(self.models, self.frontend, device, sampling=self.sampling.ras_config(),
+                                          enforce_min_len=s.enforce_min_len, seed=s.seed)
 
     def fingerprint(self) -> dict:
-        return {"model": str(self.model_dir), "engine": "reference", "seed": self.seed,
-                "sampling": vars(self.pipeline.sampling) if hasattr(self.pipeline.sampling, "__dict__") else str(self.pipeline.sampling)}
+        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling)}
 
     def describe(self) -> dict:
-        return {
-            "model": str(self.model_dir),
-            "device": str(self.device),
-            "engine": "reference",
-            "cosybatch": cosybatch.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        }
+        return _describe(self.model_dir, self.device, "reference")
 
     def synthesize(self, row, stream: bool) -> RowResult:
         trace = self.pipeline.run(row.prompt_wav, row.prompt_text, row.target_text, stream)
@@ -71,36 +80,46 @@ class ReferenceSynthesizer:
         )
 
 
+def _fast_pipeline(model_dir, device: torch.device, profile):
+    from cosybatch.checkpoint import load_models
+    from cosybatch.frontend import Frontend
+    from cosybatch.serving import FastPipeline
+
+    models = load_models(model_dir, device=str(device))
+    # Large prompt cache: benchmark workloads cycle through hundreds of prompts.
+    return FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, device)
+
+
 class FastSynthesizer:
     """``synth`` on the fast path: many rows in flight through ``serving.FastPipeline``."""
 
     def __init__(self, model_dir, device: torch.device, profile):
-        from cosybatch.checkpoint import load_models
-        from cosybatch.frontend import Frontend
-        from cosybatch.serving import FastPipeline
-
-        self.model_dir = model_dir
-        self.device = device
-        self.profile = profile
-        models = load_models(model_dir, device=str(device))
-        self.pipeline = FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, device)
-        self.sample_rate = models.cfg.sample_rate
-        # Flow tokens -> samples is exact (2 mel frames per token, 480 samples per frame).
-        self.samples_per_token = models.cfg.hift.samples_per_frame * models.cfg.flow.token_mel_ratio
+        self.model_dir, self.device, self.profile = model_dir, device, profile
+        self.pipeline = _fast_pipeline(model_dir, device, profile)
+        cfg = self.pipeline.cfg
+        self.sample_rate = cfg.sample_rate
+        self.streaming = profile.mode == "streaming"
+        # Flow tokens -> samples is exact (token_mel_ratio mel frames per token, samples_per_frame each).
+        self.samples_per_token = cfg.hift.samples_per_frame * cfg.flow.token_mel_ratio
         # Admit a bounded window of rows so the frontend never runs far ahead of the engine.
         self.window = max(profile.ar.max_num_seqs, profile.codec.max_num_seqs) * 2
 
     def fingerprint(self) -> dict:
-        return {"model": str(self.model_dir), "engine": "fast", "profile": self.profile.to_dict()}
+        """Only what changes the audio: admission sizes, workers and graphs may change on resume."""
+        from cosybatch.serving import resolve_dtype
+
+        p, dev = self.profile, self.device
+        return {"model": str(self.model_dir), "engine": "fast", "mode": p.mode,
+                "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
+                "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
+                "hift_dtype": p.codec.hift_dtype, "chunk_causal_final": p.optimizations.chunk_causal_final}
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage has been busy; rows share batches, so stages are timed per run."""
         return self.pipeline.stage_busy()
 
     def describe(self) -> dict:
-        return {"model": str(self.model_dir), "device": str(self.device), "engine": "fast",
-                "profile": self.profile.name, "cosybatch": cosybatch.__version__, "torch": torch.__version__,
-                "python": platform.python_version()}
+        return _describe(self.model_dir, self.device, "fast", profile=self.profile.name)
 
     def synthesize(self, row, stream: bool) -> RowResult:
         for _, outcome in self.synthesize_batch([row], stream):
@@ -110,8 +129,8 @@ class FastSynthesizer:
         raise RuntimeError("the pipeline returned nothing")
 
     def synthesize_batch(self, rows, stream: bool):
-        import time
-
+        """(row, RowResult | Exception) in completion order. ``stream`` is the profile's mode
+        (``load_profile(stream=...)`` set it), so it needs no separate handling here."""
         from cosybatch.requests import SynthRequest
 
         todo = list(rows)
@@ -120,59 +139,47 @@ class FastSynthesizer:
         while nxt < len(todo) or self.pipeline.has_work():
             while nxt < len(todo) and len(by_id) < self.window:
                 row = todo[nxt]
-                rid = f"{nxt}:{row.utt_id}"
-                by_id[rid], chunks[rid], started[rid] = row, [], time.perf_counter()
-                self.pipeline.add_request(SynthRequest(rid, row, stream))
+                by_id[row.utt_id], chunks[row.utt_id], started[row.utt_id] = row, [], time.perf_counter()
+                self.pipeline.add_request(SynthRequest(row.utt_id, row, stream))
                 nxt += 1
             for ev in self.pipeline.step():
-                row = by_id.get(ev.request_id)
+                rid = ev.request_id
+                row = by_id.get(rid)
                 if row is None:
                     continue
                 if ev.kind == "chunk":
-                    chunks[ev.request_id].append(ev.audio)
-                    if len(ev.audio) and ev.request_id not in first:
-                        first[ev.request_id] = time.perf_counter() - started[ev.request_id]
+                    chunks[rid].append(ev.audio)
+                    if len(ev.audio) and rid not in first:
+                        first[rid] = time.perf_counter() - started[rid]
                     continue
-                del by_id[ev.request_id]
-                pieces = chunks.pop(ev.request_id)
-                total = time.perf_counter() - started.pop(ev.request_id)
+                del by_id[rid]
+                pieces = chunks.pop(rid)
+                total = time.perf_counter() - started.pop(rid)
                 if ev.kind == "error":
                     yield row, RuntimeError(ev.error)
                     continue
                 audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-                timings = {"first_chunk_s": first.pop(ev.request_id, float("nan")), "total_s": total}
+                timings = {"first_chunk_s": first.pop(rid, float("nan")), "total_s": total}
                 yield row, RowResult(audio, self.sample_rate, len(audio) // self.samples_per_token, timings, len(pieces))
-
-
-def _load(model: str, profile: str | None, overrides, stream: bool | None):
-    from cosybatch.checkpoint import resolve_model_dir
-    from cosybatch.profiles import load_profile
-
-    prof = load_profile(profile, list(overrides or ()), stream=stream)
-    return resolve_model_dir(model), prof
 
 
 def build_synthesizer(model: str, device: str = "auto", profile: str | None = None,
                       overrides: list[str] | None = None, stream: bool | None = None):
     """The CLI's ``synth`` factory: the profile's engine (default profile: ``default``)."""
-    model_dir, prof = _load(model, profile, overrides, stream)
-    dev = pick_device(device)
+    from cosybatch.checkpoint import resolve_model_dir
+    from cosybatch.profiles import load_profile
+
+    prof = load_profile(profile, list(overrides or ()), stream=stream)
+    model_dir, dev = resolve_model_dir(model), pick_device(device)
     if prof.engine == "reference":
-        if prof.sampling.mode == "standard":
-            raise ValueError("the reference engine implements the checkpoint's RAS sampler only")
-        return ReferenceSynthesizer(model_dir, dev, seed=prof.sampling.seed)
+        return ReferenceSynthesizer(model_dir, dev, prof)
     return FastSynthesizer(model_dir, dev, prof)
 
 
 def build_streaming_pipeline(model: str, device: str, profile):
     """The ``profile`` command's factory: a ``requests.StreamingPipeline`` for the profile."""
-    from cosybatch.checkpoint import load_models, resolve_model_dir
-    from cosybatch.frontend import Frontend
-    from cosybatch.serving import FastPipeline
+    from cosybatch.checkpoint import resolve_model_dir
 
     if profile.engine == "reference":
         raise ValueError("profile measures the fast engine; the reference engine has no streaming pipeline")
-    model_dir = resolve_model_dir(model)
-    dev = pick_device(device)
-    models = load_models(model_dir, device=str(dev))
-    return FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, dev)
+    return _fast_pipeline(resolve_model_dir(model), pick_device(device), profile)

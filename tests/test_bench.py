@@ -266,13 +266,7 @@ def test_force_length_reaches_the_requests(small_manifest, monkeypatch):
 
 
 def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
-    """CPU smoke run of the real fast pipeline (skipped until the pipeline exposes it)."""
-    import cosybatch.pipeline as pipeline_mod
-
-    if not hasattr(pipeline_mod, "build_streaming_pipeline"):
-        import pytest as _pytest
-
-        _pytest.skip("cosybatch.pipeline.build_streaming_pipeline is not there yet")
+    """CPU smoke run of `cosybatch profile` over the real fast pipeline."""
     m = workload.write(tmp_path / "w", workload.default_sources(), n_rows=4, n_prompts=2)
     r = CliRunner().invoke(profile_command, [
         str(m), "--model", str(model_dir), "--device", "cpu", "-c", "2", "--num-warmups", "1", "--force-length",

@@ -243,7 +243,7 @@ def test_stream_flag_is_an_override_checked_by_requires():
 
 def test_hift_graphs_need_cached_istft_explicitly():
     path = load_profile("packed_streaming").sources[-1]
-    msg = err("packed_streaming", ["optimizations.hift_graphs=true"])
+    msg = err("packed_streaming", ["optimizations.hift_graphs=true", "optimizations.cached_istft=false"])
     assert msg == (f"profile 'packed_streaming' ({path}): optimizations.hift_graphs=true "
                    "(from --set optimizations.hift_graphs=true) requires optimizations.cached_istft=true "
                    "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")

@@ -23,7 +23,7 @@ WAV_TOL = 2.5e-3
 def synth(model_dir):
     from cosybatch.pipeline import ReferenceSynthesizer
 
-    return ReferenceSynthesizer(model_dir, torch.device("cpu"))
+    return ReferenceSynthesizer(model_dir, torch.device("cpu"))  # profile: reference
 
 
 def _rows(fixtures_dir):

@@ -1,5 +1,7 @@
 """`cosybatch synth` through the fast path (default profile) writes the official waveforms."""
 
+import re
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -25,7 +27,9 @@ def test_synth_default_profile_matches_official(fixtures_dir, reference_dir, tmp
     for row in ROWS:
         ref = load_ref(reference_dir, row)
         mode = "stream" if stream else "nonstream"
-        names = sorted(k for k in ref if k.startswith(f"{mode}.seg") and k.endswith(".wav"))
+        # numeric order of (segment, chunk): "chunk10" must come after "chunk2"
+        names = sorted((k for k in ref if k.startswith(f"{mode}.seg") and k.endswith(".wav")),
+                       key=lambda k: [int(t) for t in re.findall(r"\d+", k)])
         want = np.concatenate([ref[k][0].numpy() for k in names])
         got, sr = sf.read(out / f"{row}.wav", dtype="float32")
         assert sr == 24000 and got.shape == want.shape, row
