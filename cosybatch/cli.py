@@ -32,6 +32,7 @@ log = logging.getLogger("cosybatch.cli")
 
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
 DEFAULT_FACTORY = "cosybatch.pipeline:build_synthesizer"
+PIPELINE_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
 
 
 def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,10 +77,10 @@ def _load_manifest(path: Path) -> Manifest:
     return man
 
 
-def _load_factory(spec: str) -> Callable[..., Any]:
+def _load_factory(spec: str, default_attr: str = "build_synthesizer") -> Callable[..., Any]:
     mod, _, attr = spec.partition(":")
     try:
-        return getattr(importlib.import_module(mod), attr or "build_synthesizer")
+        return getattr(importlib.import_module(mod), attr or default_attr)
     except (ImportError, AttributeError) as e:
         raise click.UsageError(f"--synthesizer {spec!r}: {e}") from None
 
@@ -249,13 +250,77 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
     click.echo(str(path))
 
 
-def _register_profile() -> None:
-    from .bench import profile_command
+@cli.command("profile")
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Checkpoint directory or HF repo id.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests in flight (closed loop).")
+@click.option("--profile", "profile_spec", default="default", show_default=True, help="Profile name or YAML path.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a profile key (repeatable).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
+              help="Measured requests (default: every manifest row).")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Warm-up requests run (and drained) before measuring.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Picks the rows when --num-prompts is smaller than the manifest (sampling.seed is a profile key).")
+@click.option("--force-length", is_flag=True, help="Generate a fixed token count per row, derived from its text.")
+@click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write a JSON result file here.")
+@click.option("--workload-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the generated EN1088-shaped workload lives (when no MANIFEST is given).")
+@click.option("--verbose", "-v", is_flag=True)
+@click.option("--pipeline", "factory", default=PIPELINE_FACTORY, hidden=True)
+def profile_command(manifest: Path | None, model: str, device: str, concurrency: int, profile_spec: str,
+                    overrides: tuple[str, ...], num_prompts: int | None, num_warmups: int, seed: int,
+                    force_length: bool, result_dir: Path | None, workload_dir: Path | None, verbose: bool,
+                    factory: str) -> None:
+    """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
+    from rich.console import Console
 
-    cli.add_command(profile_command, name="profile")
+    from . import workload
+    from .bench import BenchError, environment, result_table, run_closed_loop, select_rows, write_result
+    from .profiles import ProfileError, load_profile
+    from .requests import SynthRequest
 
-
-_register_profile()
+    setup_logging(verbose, quiet=False)
+    try:
+        profile = load_profile(profile_spec, list(overrides))
+    except ProfileError as e:
+        _fail(f"profile: {e}")
+    if manifest is None:
+        where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
+        manifest = workload.ensure(where, workload.default_sources())
+    man = _load_manifest(manifest)
+    if not man.rows:
+        _fail(f"{manifest}: no usable rows")
+    rows = select_rows(man.rows, num_prompts, seed)
+    try:
+        pipeline = _load_factory(factory, "build_streaming_pipeline")(model, device, profile)
+    except Exception as e:  # setup failures (missing checkpoint, unimplemented option) are usage errors
+        log.debug("pipeline setup failed", exc_info=True)
+        _fail(f"cannot set up the pipeline for {model!r} with profile {profile.name!r}: {e}")
+    stream = profile.mode == "streaming"
+    rate = float(pipeline.token_frame_rate)
+    requests = [SynthRequest(f"{i}-{row.utt_id}", row, stream,
+                             workload.force_tokens(row.target_text, rate) if force_length else None)
+                for i, row in enumerate(rows)]
+    log.info("profile %s, %d request(s) at concurrency %d, %d warm-up(s)", profile.name, len(requests),
+             concurrency, num_warmups)
+    try:
+        result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
+    except BenchError as e:
+        _fail(f"benchmark aborted: {e}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
+    title = f"cosybatch profile: {profile.name}, C={concurrency}, {'streaming' if stream else 'full'}"
+    Console().print(result_table(result, title))
+    if result_dir is not None:
+        meta = {"model_id": model, "device": device, "profile": profile.to_dict(), "manifest": str(manifest),
+                "force_length": force_length, "seed": seed, "environment": environment()}
+        path = write_result(result, result_dir, meta, profile.name)
+        log.info("result written to %s", path)
+    sys.exit(EXIT_FAILED if result.metrics["failed"] else EXIT_OK)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from cosybatch import workload
-from cosybatch.bench import BenchError, profile_command, run_closed_loop
+from cosybatch.bench import BenchError, run_closed_loop
+from cosybatch.cli import profile_command
 from cosybatch.requests import Event, StreamingPipeline, SynthRequest
 
 SR = 8000
