@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .manifest import Manifest, ManifestRow
-from .resume import input_key
+from .resume import finished_with_inputs
 from .sharding import Shard, estimated_cost
 from .writer import latest_rows, read_ledgers
 
@@ -34,14 +34,7 @@ def describe_model(model: str) -> list[str]:
 def _already_done(rows: list[ManifestRow], out_dir: Path) -> int:
     """Rows an earlier run finished with these inputs (settings are checked only by synth)."""
     latest = latest_rows(read_ledgers(out_dir))
-    n = 0
-    for r in rows:
-        rec = latest.get(r.utt_id)
-        wav = out_dir / f"{r.utt_id}.wav"
-        if (rec and rec.get("status") == "ok" and rec.get("input") == input_key(r)
-                and wav.is_file() and wav.stat().st_size == rec.get("wav_bytes")):
-            n += 1
-    return n
+    return sum(1 for r in rows if r.utt_id in latest and finished_with_inputs(r, latest[r.utt_id], out_dir))
 
 
 def describe_plan(man: Manifest, rows: list[ManifestRow], shard: Shard, out_dir: Path | None) -> list[str]:

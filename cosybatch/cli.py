@@ -5,8 +5,9 @@ Exit codes: 0 all rows fine, 1 some rows failed or were invalid, 2 usage or conf
 error, 130 interrupted.
 
 ``synth`` has a hidden ``--synthesizer MODULE:FACTORY`` option: FACTORY is called exactly
-like ``cosybatch.pipeline.build_synthesizer(model, device, profile, overrides)``. Tests use
-it to run the whole command around a fake synthesizer.
+like ``cosybatch.pipeline.build_synthesizer(model, device, profile, overrides, stream=...)``;
+``profile`` likewise has ``--pipeline`` for ``build_streaming_pipeline(model, device, profile)``.
+Tests use them to run the whole commands around fakes.
 """
 
 from __future__ import annotations

@@ -55,6 +55,16 @@ class Plan:
     changed: dict[str, str]  # utt_id -> fingerprint sha its WAV was made with
 
 
+def finished_with_inputs(row: ManifestRow, rec: dict[str, Any], out_dir: Path) -> bool:
+    """The row's latest ledger record is ok, for these inputs, and its WAV is intact."""
+    if rec.get("status") != "ok" or rec.get("input") != input_key(row):
+        return False
+    try:
+        return (out_dir / f"{row.utt_id}.wav").stat().st_size == rec.get("wav_bytes")
+    except OSError:
+        return False
+
+
 def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: bool,
                 records: list[dict[str, Any]]) -> Plan:
     latest = latest_rows(records)
@@ -64,12 +74,7 @@ def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: 
         if overwrite or rec is None or rec.get("status") != "ok":
             plan.todo.append(row)
             continue
-        wav = out_dir / f"{row.utt_id}.wav"
-        try:
-            intact = wav.stat().st_size == rec.get("wav_bytes")
-        except OSError:
-            intact = False
-        if not intact or rec.get("input") != input_key(row):
+        if not finished_with_inputs(row, rec, out_dir):
             plan.todo.append(row)  # new inputs (or a missing WAV): redoing mixes nothing
         elif rec.get("fp") != fp_sha:
             plan.changed[row.utt_id] = str(rec.get("fp"))
