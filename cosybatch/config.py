@@ -155,3 +155,12 @@ class ModelConfig:
     sample_rate: int = 24000
     token_frame_rate: int = 25
     chunk_size: int = 25  # tokens per attention chunk (yaml chunk_size)
+
+
+def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
+    """A profile's dtype name on a device: ``auto`` is bfloat16 on CUDA, float32 (parity) on CPU."""
+    import torch  # config stays importable without torch (the CLI's fast paths read it)
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

@@ -106,7 +106,7 @@ class FastSynthesizer:
 
     def fingerprint(self) -> dict:
         """Only what changes the audio: admission sizes, workers and graphs may change on resume."""
-        from cosybatch.serving import resolve_dtype
+        from cosybatch.config import resolve_dtype
 
         p, dev = self.profile, self.device
         return {"model": str(self.model_dir), "engine": "fast", "mode": p.mode,

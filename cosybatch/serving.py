@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from cosybatch.codec.flow_runner import FlowRunner
+from cosybatch.config import resolve_dtype
 from cosybatch.codec.hift_runner import HiftRunner
 from cosybatch.codec.stage import CodecJob, CodecStage, take_batch
 from cosybatch.codec.hops import Chunk, HopSchedule, SegmentPlanner
@@ -35,15 +36,6 @@ from cosybatch.reference.token2wav import PromptTensors
 from cosybatch.requests import Event, SynthRequest
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 @dataclass
 class _Row:

@@ -94,7 +94,7 @@ def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
 
 
 def test_auto_dtype_is_bfloat16_on_cuda_float32_on_cpu():
-    from cosybatch.serving import resolve_dtype
+    from cosybatch.config import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

@@ -11,6 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
+from cosybatch.config import resolve_dtype
+
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -64,9 +66,7 @@ class EngineConfig:
         return cls(**kw)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, device)
 
     def buckets(self) -> tuple[int, ...]:
         """Decode batch sizes replayed from graphs: the configured ones up to max_num_seqs, plus
