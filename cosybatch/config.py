@@ -9,6 +9,10 @@ that the random-checkpoint generator and tests can build a model without a file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ class ModelConfig:
     chunk_size: int = 25  # tokens per attention chunk (yaml chunk_size)
 
 
-def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A profile's dtype name on a device: ``auto`` is bfloat16 on CUDA, float32 (parity) on CPU."""
     import torch  # config stays importable without torch (the CLI's fast paths read it)
 
