@@ -133,6 +133,11 @@ class FastPipeline:
     # ------------------------------------------------------------------ protocol
 
     def add_request(self, req: SynthRequest) -> None:
+        if req.stream != self.streaming:  # the mode is the profile's; say so rather than ignore it
+            mode = "streaming" if self.streaming else "full"
+            self._events.append(Event(req.request_id, "error", error=f"stream={req.stream} asked of a pipeline "
+                                      f"built for mode={mode} (set the profile's mode)"))
+            return
         self._preparing[req.request_id] = self._pool.submit(self._prepare, req)
 
     def has_work(self) -> bool:
