@@ -55,6 +55,9 @@ class ReferenceSynthesizer:
             raise ValueError("the reference engine implements RAS sampling with the official 25 -> 100 hops only "
                              "(no sampling.mode=standard, sampling.max_tokens or hops.*)")
         self.model_dir, self.device = model_dir, device
+        if device.type == "cuda":  # the exact path: no TF32 anywhere (cuDNN enables it by default)
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         self.models = load_models(model_dir, device=str(device))
         self.frontend = Frontend(model_dir, self.models.cfg)
         self.sample_rate = self.models.cfg.sample_rate
@@ -112,7 +115,8 @@ class FastSynthesizer:
         return {"model": str(self.model_dir), "engine": "fast", "mode": p.mode,
                 "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
                 "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
-                "hift_dtype": p.codec.hift_dtype, "chunk_causal_final": p.optimizations.chunk_causal_final}
+                "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
+                "chunk_causal_final": p.optimizations.chunk_causal_final}
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage has been busy; rows share batches, so stages are timed per run."""

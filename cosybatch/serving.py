@@ -98,6 +98,11 @@ class FastPipeline:
         if opt.hift_graphs and device.type == "cuda":
             graphs = {"capacity": opt.hift_graph_capacity, "max_counters": opt.hift_graph_counters,
                       "capture_after": opt.hift_graph_capture_after}
+        if device.type == "cuda":
+            # Process-wide, but HiFT's are the only float32 cuDNN convolutions here (flow: bf16,
+            # F0: float64, LM: Triton); the graph cache keys on this flag.
+            torch.backends.cudnn.allow_tf32 = profile.codec.hift_tf32
+            log.info("HiFT convolutions: %s", "TF32" if profile.codec.hift_tf32 else "strict float32")
         if profile.codec.hift_dtype not in ("float32", "auto"):
             raise ValueError("codec.hift_dtype: HiFT runs in float32 (F0 in float64); "
                              f"{profile.codec.hift_dtype} is not implemented")

@@ -326,3 +326,10 @@ def test_hift_graph_precapture_shapes():
         load_profile("packed_streaming_optimized_standard", ["optimizations.hift_graph_precapture=[[1, x]]"])
     with pytest.raises(ProfileError, match=r"hift_graph_precapture needs optimizations.hift_graphs=true"):
         load_profile("packed_streaming", ["optimizations.hift_graph_precapture=[[1, 96]]"])
+
+
+def test_hift_tf32_is_explicit():
+    assert load_profile("reference").codec.hift_tf32 is False  # the schema default: strict float32
+    assert load_profile("default").codec.hift_tf32 is True
+    assert load_profile("packed_streaming_optimized_standard").codec.hift_tf32 is True  # inherited
+    assert load_profile("default", ["codec.hift_tf32=false"]).codec.hift_tf32 is False
