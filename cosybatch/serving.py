@@ -320,7 +320,10 @@ class FastPipeline:
 
     def _fail(self, row: _Row, e: Exception) -> None:
         rid = row.req.request_id
-        self.engine.abort(_seg_id(rid, row.seg))
+        try:
+            self.engine.abort(_seg_id(rid, row.seg))
+        except Exception:  # after an engine fault its bookkeeping may be gone; the row fails anyway
+            log.debug("abort of %s failed", rid, exc_info=True)
         with self._lock:
             self._release.append((_seg_id(rid, row.seg), rid))
             self._ready = [j for j in self._ready if j.row_id != rid]
@@ -341,7 +344,7 @@ class FastPipeline:
         with ctx:
             while True:
                 with self._lock:
-                    while not (self._ready or self._closed):
+                    while not (self._ready or self._release or self._closed):  # releases free memory too
                         self._lock.wait(timeout=0.05)
                     if self._closed:
                         return
