@@ -37,6 +37,18 @@ def reference_dir(fixtures_dir) -> Path:
     return fixtures_dir / "reference"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: the reference fixtures were made single-threaded, and it is much
+    faster on a busy 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 ROWS = ["utt1", "utt2", "utt3", "utt4", "utt5_paragraph"]
 
 

@@ -23,13 +23,7 @@ from cosybatch.sampling import nucleus_count, silent_filter
 OFFICIAL_RAS = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the reference fixtures were made single-threaded; it is also much faster on a busy 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines
 from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.engine.random_model import random_lm  # noqa: E402
+from test_engine import _run_alone, _run_together  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -50,21 +51,6 @@ def _requests(n: int, seed: int, cfg: LLMConfig) -> list[dict]:
 def _engine(lm, **kw):
     kw.setdefault("max_model_len", 1024)
     return LLMEngine(lm, EngineConfig(**kw))
-
-
-def _together(eng, reqs, order):
-    ids = {i: eng.add_request(**reqs[i], request_id=f"r{i}") for i in order}
-    eng.run()
-    return [eng.seqs[ids[i]].tokens for i in range(len(reqs))]
-
-
-def _alone(eng, reqs):
-    out = []
-    for i, r in enumerate(reqs):
-        rid = eng.add_request(**r, request_id=f"a{i}")
-        eng.run()
-        out.append(eng.seqs[rid].tokens)
-    return out
 
 
 def _free(*engines):
@@ -133,7 +119,7 @@ def reqs():
 @pytest.fixture(scope="module")
 def alone_tokens(big_lm, reqs):
     eng = _engine(big_lm, max_num_seqs=16)
-    out = _alone(eng, reqs)
+    out = _run_alone(eng, reqs)
     _free(eng)
     assert sum(len(t) for t in out) > 17 * len(reqs)
     return out
@@ -145,7 +131,7 @@ def test_batch_invariance_full_size(big_lm, reqs, alone_tokens, max_num_seqs):
     assert eng.runner.executor.name == "triton" and eng.runner.graphs
     order = list(range(len(reqs)))
     random.Random(max_num_seqs).shuffle(order)
-    got = _together(eng, reqs, order)
+    got = _run_together(eng, reqs, order)
     _free(eng)
     assert got == alone_tokens
     for r, toks in zip(reqs, got):
@@ -162,7 +148,7 @@ def test_decode_steps_are_fully_graphed(big_lm):
 def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):
     eng = _engine(big_lm, max_num_seqs=16, cuda_graphs=False)
     assert not eng.runner.graphs
-    got = _together(eng, reqs, list(range(len(reqs))))
+    got = _run_together(eng, reqs, list(range(len(reqs))))
     _free(eng)
     assert got == alone_tokens
 
@@ -170,7 +156,7 @@ def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):
 def test_more_requests_than_kv_capacity_gpu(big_lm, reqs, alone_tokens):
     need = max(-(-(len(r["text_ids"]) + len(r["prompt_speech_tokens"]) + 2 + 20 * 40 + 1) // 64) for r in reqs)
     eng = _engine(big_lm, max_num_seqs=16, num_kv_blocks=1 + 3 * need)
-    got = _together(eng, reqs, list(range(len(reqs))))
+    got = _run_together(eng, reqs, list(range(len(reqs))))
     assert max(eng.stats.batch_hist) < 16
     _free(eng)
     assert got == alone_tokens
@@ -198,5 +184,5 @@ def test_fixture_tokens_triton_fp32(model_dir, reference_dir):
             s += 1
     eng = _engine(lm, max_num_seqs=4, dtype="float32", kv_block_size=16, max_model_len=2048)
     assert eng.runner.executor.name == "triton"
-    got = _together(eng, reqs, list(reversed(range(len(reqs)))))
+    got = _run_together(eng, reqs, list(reversed(range(len(reqs)))))
     assert got == want

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: tests/test_engine_gpu.py runs the compiled kernels", allow_module_level=True)
@@ -23,12 +23,6 @@ from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.engine.random_model import random_lm  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_matmul_and_norms_match_torch():
