@@ -11,19 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
 from cosybatch.metrics import Timeline, aggregate, request_metrics
-from cosybatch.requests import StreamingPipeline, SynthRequest
+from cosybatch.requests import PipelineContractError, StreamingPipeline, SynthRequest, drive
 
 log = logging.getLogger("cosybatch.bench")
 
-class BenchError(RuntimeError):
-    """The pipeline broke the driver's contract (unknown request, stalled with work pending)."""
+BenchError = PipelineContractError  # what ``profile`` reports when a pipeline breaks the contract
 
 
 @dataclass
@@ -52,6 +50,7 @@ class BenchResult:
     stage_busy_s: dict[str, float] = field(default_factory=dict)
     gpu_memory: dict[str, Any] | None = None
     warmup_failed: int = 0
+    timeline: dict[str, Any] | None = None  # the pipeline's own GPU-timeline accounting, if it keeps one
 
     def to_json(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         """vLLM-bench-like layout: run facts, aggregate metrics, then per-request lists."""
@@ -62,7 +61,7 @@ class BenchResult:
                                "max_in_flight": self.max_in_flight, **self.metrics,
                                "stage_busy_s": self.stage_busy_s,
                                "stage_busy_frac": {k: v / self.wall_s for k, v in self.stage_busy_s.items()},
-                               "gpu_memory": self.gpu_memory}
+                               "gpu_memory": self.gpu_memory, "timeline": self.timeline}
         doc.update(ttfps=[r.ttfp_s for r in ok], e2els=[r.e2el_s for r in ok],
                    audio_durations=[r.audio_duration_s for r in ok], rtfs=[r.rtf for r in ok],
                    underruns=[r.underrun_s for r in ok],
@@ -127,40 +126,17 @@ class _Loop:
 
 def _drive(pipeline: StreamingPipeline, reqs: Sequence[SynthRequest], concurrency: int,
            clock: Callable[[], float], on_step: Callable[[], None] = lambda: None) -> _Loop:
-    pending = deque(reqs)
+    """The shared driver loop, keeping only what the metrics need (chunk sizes, not PCM)."""
     sr = int(pipeline.sample_rate)
-    admitted: dict[str, float] = {}
-    chunks: dict[str, list[tuple[float, int]]] = {}
     done: dict[str, Timeline] = {}
-    max_in_flight = 0
     t_start = clock()
-    t_end = t_start
-    while pending or admitted:
-        while pending and len(admitted) < concurrency:
-            req = pending.popleft()
-            if req.request_id in admitted or req.request_id in done:
-                raise BenchError(f"duplicate request id {req.request_id!r}")
-            admitted[req.request_id] = clock()
-            chunks[req.request_id] = []
-            pipeline.add_request(req)
-        max_in_flight = max(max_in_flight, len(admitted))
-        if not pipeline.has_work():
-            raise BenchError(f"pipeline reports no work while {len(admitted)} request(s) are in flight: "
-                             + ", ".join(sorted(admitted)[:5]))
-        events = pipeline.step()
-        now = clock()
-        on_step()
-        for ev in events:
-            if ev.request_id not in admitted:
-                raise BenchError(f"{ev.kind} event for request {ev.request_id!r}, which is not in flight")
-            if ev.kind == "chunk":
-                n = 0 if ev.audio is None else int(len(ev.audio))
-                chunks[ev.request_id].append((now, n))
-                continue
-            done[ev.request_id] = Timeline(admitted.pop(ev.request_id), tuple(chunks.pop(ev.request_id)), sr,
-                                           finished=now, error=(ev.error or "error") if ev.kind == "error" else None)
-            t_end = now
-    return _Loop(done, t_start, t_end, max_in_flight)
+    peak = 0
+    for f in drive(pipeline, reqs, concurrency, clock, on_step):
+        peak = max(peak, f.in_flight)
+        done[f.request.request_id] = Timeline(f.admitted, tuple((t, len(a)) for t, a in f.chunks), sr,
+                                              finished=f.finished, error=f.error)
+    t_end = max((tl.finished for tl in done.values()), default=t_start)
+    return _Loop(done, t_start, t_end, peak)
 
 
 def _warmup_requests(requests: Sequence[SynthRequest], n: int) -> list[SynthRequest]:
@@ -186,6 +162,9 @@ def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest
     gpu = _GpuMemory(getattr(pipeline, "device", None))  # the pipeline's device, if it says
     gpu.start()
     busy0 = dict(pipeline.stage_busy())
+    timeline = getattr(pipeline, "timeline", None)
+    if timeline is not None:
+        timeline(reset=True)  # the measured run's window starts here
     loop = _drive(pipeline, requests, concurrency, clock, on_step=gpu.sample)
     busy1 = pipeline.stage_busy()
     wall = max(loop.t_end - loop.t_start, 1e-9)
@@ -204,7 +183,8 @@ def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest
         metrics=aggregate([loop.timelines[r.request_id] for r in requests], wall), records=records,
         max_in_flight=loop.max_in_flight,
         stage_busy_s={k: float(busy1.get(k, 0.0)) - float(busy0.get(k, 0.0)) for k in busy1},
-        gpu_memory=gpu.result(), warmup_failed=warm_failed)
+        gpu_memory=gpu.result(), warmup_failed=warm_failed,
+        timeline=timeline(wall_s=wall) if timeline is not None else None)
 
 
 def write_result(result: BenchResult, result_dir: str | Path, meta: dict[str, Any], tag: str) -> Path:
@@ -246,6 +226,16 @@ def result_table(result: BenchResult, title: str):
     rows.append(("requests with an underrun", str(m["underrun_requests"])))
     for k, v in result.stage_busy_s.items():
         rows.append((f"busy: {k} (s, share of wall)", f"{v:.2f} ({v / result.wall_s:.0%})"))
+    tl = result.timeline or {}
+    if "ar_step_ms" in tl:
+        a = tl["ar_step_ms"]
+        rows.append(("AR decode step in the pipeline p50 / p90 (ms)", f"{a['p50']:.2f} / {a['p90']:.2f}"))
+    if tl.get("gpu_idle_share") is not None:
+        rows.append(("GPU idle share of wall", f"{tl['gpu_idle_share']:.0%}"))
+    for k, v in (tl.get("busy_share") or {}).items():
+        rows.append((f"GPU busy: {k} (share of wall)", f"{v:.0%}"))
+    if "host_ms_per_iteration" in tl:
+        rows.append(("host ms per iteration p50 / mean", "{p50:.2f} / {mean:.2f}".format(**tl["host_ms_per_iteration"])))
     if result.gpu_memory:
         g = result.gpu_memory
         rows.append(("GPU memory peak: allocated / reserved / device (GiB)",

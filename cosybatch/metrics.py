@@ -1,4 +1,4 @@
-"""Serving metrics over per-request timelines, defined as the peers define them (anchors §4).
+"""Serving metrics over per-request timelines, defined as the peers define them (design.md, "Measuring").
 
 All functions are pure: a :class:`Timeline` holds when a request was admitted and when each of
 its PCM chunks arrived (the driver's clock, seconds); nothing here reads a clock.

@@ -1,18 +1,34 @@
-"""The contract between the benchmark driver and a streaming pipeline.
+"""The contract between a driver and a streaming pipeline, and the one driver loop.
 
-``cosybatch profile`` drives any object with this shape in a closed loop; the fast engine's
-pipeline (``cosybatch.pipeline.build_streaming_pipeline``) implements it, and tests use a fake.
-The driver owns all timing: a pipeline only says what happened, never when.
+``cosybatch synth`` (through ``pipeline.FastSynthesizer``), ``cosybatch profile`` (through
+``bench.run_closed_loop``) and the tests all drive a pipeline with :func:`drive`: at most
+``concurrency`` requests in flight, a new one admitted as soon as one finishes. The driver
+owns all timing: a pipeline only says what happened, never when.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 EventKind = Literal["chunk", "done", "error"]
+
+# Read-speech rate of English, in characters (with spaces) per second: what forced lengths assume.
+CHARS_PER_SECOND = 14.5
+
+
+def force_tokens(text: str, token_rate: float = 25.0) -> int:
+    """Speech tokens for ``text``: its length at CHARS_PER_SECOND with a +-10 % jitter from a
+    stable hash of the text (crc32, unlike ``hash``, is the same in every process).
+    ``token_rate`` is the checkpoint's token_frame_rate (25 Hz for CosyVoice3)."""
+    jitter = ((zlib.crc32(text.encode("utf-8")) % 2001) / 1000.0 - 1.0) * 0.1
+    seconds = len(text) / CHARS_PER_SECOND * (1.0 + jitter)
+    return max(1, round(seconds * token_rate))
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,7 @@ class Event:
     kind: EventKind
     audio: np.ndarray | None = None  # float32 mono PCM for "chunk"; may be empty
     error: str | None = None  # for "error"
+    tokens: int | None = None  # for "done": speech tokens the LM generated for the row (raw ids)
 
     def __post_init__(self) -> None:
         if self.kind not in ("chunk", "done", "error"):
@@ -57,3 +74,59 @@ class StreamingPipeline(Protocol):
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage (frontend, ar, flow, hift) has been busy since construction."""
         ...
+
+
+class PipelineContractError(RuntimeError):
+    """The pipeline broke the driver's contract (unknown request, stalled with work pending)."""
+
+
+@dataclass
+class Finished:
+    """One request's outcome as the driver saw it; times come from the driver's clock."""
+
+    request: SynthRequest
+    admitted: float
+    finished: float
+    in_flight: int  # requests in flight right after this one was admitted (itself included)
+    chunks: list[tuple[float, np.ndarray]] = field(default_factory=list)  # (time, PCM), in order
+    error: str | None = None
+    tokens: int | None = None  # the done event's speech-token count
+
+
+def drive(pipeline: StreamingPipeline, requests: Iterable[SynthRequest], concurrency: int,
+          clock: Callable[[], float] = time.perf_counter,
+          on_step: Callable[[], None] = lambda: None) -> Iterator[Finished]:
+    """Feed ``requests`` to ``pipeline`` keeping at most ``concurrency`` in flight; yield each
+    request's :class:`Finished` as it ends. Events are stamped when ``step`` returns."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    pending = deque(requests)
+    live: dict[str, Finished] = {}
+    seen: set[str] = set()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            req = pending.popleft()
+            if req.request_id in seen:
+                raise PipelineContractError(f"duplicate request id {req.request_id!r}")
+            seen.add(req.request_id)
+            live[req.request_id] = Finished(req, clock(), float("nan"), len(live) + 1)
+            pipeline.add_request(req)
+        if not pipeline.has_work():
+            raise PipelineContractError(f"pipeline reports no work while {len(live)} request(s) are in flight: "
+                                        + ", ".join(sorted(live)[:5]))
+        events = pipeline.step()
+        now = clock()
+        on_step()
+        for ev in events:
+            f = live.get(ev.request_id)
+            if f is None:
+                raise PipelineContractError(f"{ev.kind} event for request {ev.request_id!r}, which is not in flight")
+            if ev.kind == "chunk":
+                f.chunks.append((now, np.zeros(0, np.float32) if ev.audio is None else ev.audio))
+                continue
+            del live[ev.request_id]
+            f.finished = now
+            if ev.kind == "error":
+                f.error = ev.error or "error"
+            f.tokens = ev.tokens
+            yield f

@@ -1,10 +1,11 @@
 """A synthetic "EN1088-shaped" Seed-TTS workload, for benchmarks where the real test set is absent.
 
 Shape of Seed-TTS EN: 1,088 rows, 666 distinct prompts of 3-7 s, English target texts. Prompts
-are windows of a pool made from a few speech-like WAVs (trimmed, wrapped, gain-varied, some at
-16 kHz), so every file differs. :func:`force_tokens` turns a target text into a deterministic
-speech-token count (mean ~5.1 s of audio over the workload), which ``profile --force-length``
-imposes because random weights stop at arbitrary lengths. Everything is seeded: the same
+are windows of a pool made from a few speech-like signals (synthetic by default, or WAVs the
+caller passes; trimmed, wrapped, gain-varied, some at 16 kHz), so every file differs.
+``cosybatch.requests.force_tokens`` turns a target text into a deterministic speech-token
+count (mean ~5.1 s of audio over the workload), which ``--force-length`` imposes because
+random weights stop at arbitrary lengths. Everything is seeded: the same
 arguments give byte-identical files.
 """
 
@@ -22,14 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
+from cosybatch.requests import CHARS_PER_SECOND, force_tokens
+
 log = logging.getLogger("cosybatch.workload")
 
 N_ROWS = 1088
 N_PROMPTS = 666
 PROMPT_SECONDS = (3.0, 7.0)
 MEAN_TARGET_SECONDS = 5.1
-# Read-speech rate of the generated English, in characters (with spaces) per second.
-CHARS_PER_SECOND = 14.5
 POOL_RATE = 24000
 
 WORDS = tuple("""
@@ -51,15 +52,6 @@ better best across during today others however sure means knew try told young mi
 thing whole hear example heard several change answer room sea against top turned learn point
 city play toward five using himself usually morning river garden evening window quiet market
 """.split())
-
-
-def force_tokens(text: str, token_rate: float = 25.0) -> int:
-    """Speech tokens for ``text``: its length at CHARS_PER_SECOND with a +-10 % jitter from a
-    stable hash of the text (crc32, unlike ``hash``, is the same in every process).
-    ``token_rate`` is the checkpoint's token_frame_rate (25 Hz for CosyVoice3)."""
-    jitter = ((zlib.crc32(text.encode("utf-8")) % 2001) / 1000.0 - 1.0) * 0.1
-    seconds = len(text) / CHARS_PER_SECOND * (1.0 + jitter)
-    return max(1, round(seconds * token_rate))
 
 
 def _sentence(rng: random.Random, chars: float) -> str:
@@ -234,12 +226,6 @@ def ensure(out_dir: str | Path, sources: Sequence[Path] = (), n_rows: int = N_RO
     manifest = write(out, sources, n_rows, n_prompts, seed)
     stamp_file.write_text(json.dumps(stamp, indent=1) + "\n")
     return manifest
-
-
-def default_sources() -> list[Path]:
-    """The repository's committed prompt WAVs (``examples/prompts/*.wav``), if present."""
-    d = Path(__file__).resolve().parents[1] / "examples" / "prompts"
-    return sorted(d.glob("*.wav")) if d.is_dir() else []
 
 
 def describe(prompts: Sequence[PromptSpec], rows: Sequence[Row], token_rate: float = 25.0) -> dict:

@@ -268,7 +268,7 @@ def test_force_length_reaches_the_requests(small_manifest, monkeypatch):
 
 def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     """CPU smoke run of `cosybatch profile` over the real fast pipeline."""
-    m = workload.write(tmp_path / "w", workload.default_sources(), n_rows=4, n_prompts=2)
+    m = workload.write(tmp_path / "w", n_rows=4, n_prompts=2)
     r = CliRunner().invoke(profile_command, [
         str(m), "--model", str(model_dir), "--device", "cpu", "-c", "2", "--num-warmups", "1", "--force-length",
         "--profile", "packed_streaming_optimized_standard", "--set", "ar.dtype=float32",

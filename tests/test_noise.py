@@ -1,4 +1,4 @@
-"""Replay of the construction-time RNG tables (spec section 4, decision 5)."""
+"""Replay of the construction-time RNG tables (design.md D5)."""
 
 from dataclasses import replace
 

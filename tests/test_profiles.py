@@ -6,7 +6,8 @@ import pytest
 
 from cosybatch.config import SamplingConfig
 from cosybatch.profiles import (HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile, available_profiles,
-                                effective_hops, effective_sampling, load_profile, parse_override)
+                                load_profile, parse_override)
+from cosybatch.profiles.resolve import resolve_hops, resolve_sampling
 
 SHIPPED = ["default", "packed_streaming", "packed_streaming_optimized_standard", "reference"]
 
@@ -284,31 +285,31 @@ def test_streaming_only_optimizations_and_hop_order():
 # --- what the engine gets ------------------------------------------------------------------
 
 
-def test_effective_sampling(caplog):
+def test_resolve_sampling(caplog):
     ckpt = SamplingConfig(top_p=0.7, top_k=11, win_size=7, tau_r=0.2)
     with caplog.at_level(logging.INFO, logger="cosybatch.profiles"):
-        e = effective_sampling(SamplingProfile(mode="checkpoint", seed=3), ckpt)
+        e = resolve_sampling(SamplingProfile(mode="checkpoint", seed=3), ckpt)
     assert (e.mode, e.top_p, e.top_k, e.win_size, e.tau_r, e.seed) == ("ras", 0.7, 11, 7, 0.2, 3)
     assert e.ras_config() == ckpt
     assert "from the checkpoint's yaml" in caplog.text
-    e = effective_sampling(SamplingProfile(mode="ras", top_k=5), ckpt)
+    e = resolve_sampling(SamplingProfile(mode="ras", top_k=5), ckpt)
     assert (e.top_k, e.top_p) == (5, 0.7)
     s = load_profile("packed_streaming_optimized_standard").sampling
-    e = effective_sampling(s, ckpt)
+    e = resolve_sampling(s, ckpt)
     assert (e.mode, e.temperature, e.top_p, e.top_k, e.repetition_penalty, e.max_tokens) == (
         "standard", 0.7, 0.8, 20, 1.21, 2048)
-    e = effective_sampling(SamplingProfile(mode="standard"), ckpt)
+    e = resolve_sampling(SamplingProfile(mode="standard"), ckpt)
     assert (e.temperature, e.top_p, e.top_k, e.repetition_penalty) == (1.0, 1.0, 0, 1.0)
 
 
-def test_effective_hops():
-    assert effective_hops(HopsProfile(), 25) == (25, 100, 2)
-    # The official schedule is 25 -> 100 whatever the checkpoint's chunk size (spec decision 3).
-    assert effective_hops(HopsProfile(), 10) == (25, 100, 2)
-    assert effective_hops(HopsProfile(first=50, max=200, scale=3), 25) == (50, 200, 3)
-    assert effective_hops(HopsProfile(first=30), 25) == (30, 100, 2)
+def test_resolve_hops():
+    assert resolve_hops(HopsProfile(), 25) == (25, 100, 2)
+    # The official schedule is 25 -> 100 whatever the checkpoint's chunk size (design.md D3).
+    assert resolve_hops(HopsProfile(), 10) == (25, 100, 2)
+    assert resolve_hops(HopsProfile(first=50, max=200, scale=3), 25) == (50, 200, 3)
+    assert resolve_hops(HopsProfile(first=30), 25) == (30, 100, 2)
     with pytest.raises(ProfileError, match=r"hops.max=20 must be >= hops.first=30"):
-        effective_hops(HopsProfile(first=30, max=20), 25)
+        resolve_hops(HopsProfile(first=30, max=20), 25)
 
 
 def test_profile_get_and_default_tree():

@@ -8,6 +8,7 @@ import soundfile as sf
 
 from cosybatch import workload
 from cosybatch.manifest import read_manifest
+from cosybatch.requests import CHARS_PER_SECOND, force_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ def test_en1088_shape_and_length_statistics():
     texts = [r.target_text for r in rows]
     assert len(set(texts)) == 1088
     assert all(t[0].isupper() and t.endswith(".") and t.isascii() for t in texts)
-    toks = np.array([workload.force_tokens(t) for t in texts])
+    toks = np.array([force_tokens(t) for t in texts])
     secs = toks / 25.0
     assert 4.95 <= secs.mean() <= 5.25  # EN1088-shaped: ~5.1 s of audio per row
     assert abs(toks.mean() - 128) < 4
@@ -33,14 +34,14 @@ def test_en1088_shape_and_length_statistics():
 
 def test_force_tokens_is_deterministic_and_scales():
     t = "The quiet river went past the old garden."
-    assert workload.force_tokens(t) == workload.force_tokens(t)
-    assert workload.force_tokens(t, 50.0) in (2 * workload.force_tokens(t) - 1, 2 * workload.force_tokens(t),
-                                              2 * workload.force_tokens(t) + 1)
-    assert workload.force_tokens("") == 1
+    assert force_tokens(t) == force_tokens(t)
+    assert force_tokens(t, 50.0) in (2 * force_tokens(t) - 1, 2 * force_tokens(t),
+                                              2 * force_tokens(t) + 1)
+    assert force_tokens("") == 1
     # the jitter stays within +-10 % of the length-based estimate
     for text in workload.target_texts(50, seed=3):
-        base = len(text) / workload.CHARS_PER_SECOND * 25
-        assert 0.89 * base - 1 <= workload.force_tokens(text) <= 1.11 * base + 1
+        base = len(text) / CHARS_PER_SECOND * 25
+        assert 0.89 * base - 1 <= force_tokens(text) <= 1.11 * base + 1
 
 
 def test_plan_is_seeded():

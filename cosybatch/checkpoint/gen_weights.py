@@ -43,7 +43,7 @@ OTHER_STOP_ROW_GAIN = 0.1
 
 LLM_PREFIX = "llm.model.model."
 LLM_TIED_HEAD = "llm.model.lm_head.weight"
-# hift modules whose weight is stored as a weight-norm parametrization (spec section 1)
+# hift modules whose weight is stored as a weight-norm parametrization (design.md, "Checkpoint")
 _HIFT_WN = re.compile(
     r"^(conv_pre|conv_post|ups\.\d+|(source_)?resblocks\.\d+\.convs[12]\.\d+|f0_predictor\.condnet\.\d+)$"
 )

@@ -1,6 +1,6 @@
 """A bounded cache of CUDA graphs for one deterministic function of tensors.
 
-What it fixes in the anchor design (spec/anchors.md section 1, review findings 1, 2, 5, 6):
+What it fixes in the design it was modelled on (design.md D11):
 
 * a capture failure (OOM, a sync inside the function, stream activity) disables that key,
   logs a warning and returns the eager result -- a request never fails because of a graph;
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 import torch
+
+from cosybatch.cuda_graphs import capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -93,31 +95,22 @@ class CudaGraphBackend:
     def capture(self, fn: Fn, inputs: Sequence[torch.Tensor]) -> _CudaCaptured:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        side = self._stream
         static_inputs = [x.clone() for x in inputs]  # ordinary allocations, not the pool
-        caller = torch.cuda.current_stream()
-        side.wait_stream(caller)
+        run = lambda: fn(*static_inputs)  # noqa: E731
         try:
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):  # lazy init / autotuning outside the capture
-                    fn(*static_inputs)
-            torch.cuda.current_stream().wait_stream(side)
+            for _ in range(self.warmup):  # before measuring, so the pool's growth is the graph's own
+                run()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
-            graph = torch.cuda.CUDAGraph()
-            pool = self._pool if self.share_pool else None
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                out = fn(*static_inputs)
-            if self.share_pool and self._pool is None:
-                self._pool = graph.pool()
+            graph, out = capture_graph(run, pool=self._pool if self.share_pool else None, stream=self._stream,
+                                       warmup=0)
         except BaseException:
-            # torch.cuda.graph leaves the side stream current when capture_end raises
-            torch.cuda.set_stream(caller)
-            _unpoison_cuda_rng()
             self._stream = None
             self._pool = None
             raise
+        if self.share_pool and self._pool is None:
+            self._pool = graph.pool()
         delta = max(0, torch.cuda.memory_reserved() - before)
         return _CudaCaptured(graph, static_inputs, out, delta)
 
@@ -125,20 +118,6 @@ class CudaGraphBackend:
         reset = getattr(getattr(captured, "graph", None), "reset", None)
         if reset is not None:
             reset()
-
-
-def _unpoison_cuda_rng() -> None:
-    """After a failed capture the default CUDA generator's state stays in capture mode
-    (capture_end raised before its epilogue) and every later random op fails with
-    "Offset increment outside graph capture". Swap in a clone of that state: same seed
-    and offset, not capturing. Graphs here are deterministic, so none depends on the
-    old state object."""
-    try:
-        gen = torch.cuda.default_generators[torch.cuda.current_device()]
-        if hasattr(gen, "clone_state") and hasattr(gen, "graphsafe_set_state"):
-            gen.graphsafe_set_state(gen.clone_state())
-    except Exception as exc:  # pragma: no cover - best effort, GPU only
-        log.warning("could not reset the CUDA RNG state after a failed capture: %s", exc)
 
 
 @dataclass

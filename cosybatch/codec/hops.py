@@ -1,4 +1,4 @@
-"""Streaming hop schedule (spec decision 3), as a pure state machine.
+"""Streaming hop schedule (design.md D3), as a pure state machine.
 
 One ``HopSchedule`` lives per manifest row: the hop grows 25 -> 50 -> 100 across the row's
 chunks *and* its text segments, as the official code does within a request. (The official

@@ -27,7 +27,7 @@ class SamplingParams:
 
     ``seed`` picks the request's own counter-based random stream, so its tokens do not depend on
     what else is batched with it. ``enforce_min_len`` masks every stop id for the first min_len
-    steps (the official code masks only sos: spec decision 2). ``force_length=N`` ignores stop ids
+    steps (the official code masks only sos: design.md D2). ``force_length=N`` ignores stop ids
     and ends after exactly N tokens (benchmarks with random weights)."""
 
     mode: str = "ras"
@@ -53,6 +53,10 @@ class SamplingParams:
             raise ValueError("force_length must be >= 1")
         if not 0 <= self.seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
+
+    def ras_config(self) -> SamplingConfig:
+        """The RAS parameters as the checkpoint config type (what the reference sampler reads)."""
+        return SamplingConfig(top_p=self.top_p, top_k=self.top_k, win_size=self.win_size, tau_r=self.tau_r)
 
     @classmethod
     def ras(cls, cfg: SamplingConfig, seed: int = 0, **kw) -> "SamplingParams":

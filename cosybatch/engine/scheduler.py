@@ -15,7 +15,7 @@ from cosybatch.engine.request import Sequence, SeqStatus, blocks_for
 
 
 @dataclass
-class Plan:
+class StepPlan:
     kind: str  # "prefill" | "decode"
     seqs: list[Sequence]
 
@@ -48,7 +48,7 @@ class Scheduler:
             return False
         return self.blocks_needed(self.waiting[0]) <= self.allocator.num_free
 
-    def schedule(self) -> Plan | None:
+    def schedule(self) -> StepPlan | None:
         admitted: list[Sequence] = []
         tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -66,9 +66,9 @@ class Scheduler:
             admitted.append(seq)
             tokens += seq.prompt_len
         if admitted:
-            return Plan("prefill", admitted)
+            return StepPlan("prefill", admitted)
         if self.running:
-            return Plan("decode", list(self.running))
+            return StepPlan("decode", list(self.running))
         return None
 
     def finish(self, seq: Sequence) -> tuple[int, int] | None:

@@ -1,4 +1,4 @@
-"""CosyVoice3 flow estimator: the DiT of ``cosyvoice/flow/DiT`` (spec section 3).
+"""CosyVoice3 flow estimator: the DiT of ``cosyvoice/flow/DiT`` (design.md, "The model").
 
 Submodule names mirror flow.pt's ``decoder.estimator.*`` keys so checkpoints load strictly.
 
@@ -62,7 +62,7 @@ def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` channels of x [..., T, inner]; the rest pass through.
 
     Called on the full inner-width q/k before the head split, as the official code does, so
-    only head 0 gets a positional signal (spec section 3, item 6).
+    only head 0 gets a positional signal (design.md D8).
     """
     rot = freqs.shape[-1]
     dtype = x.dtype

@@ -1,4 +1,4 @@
-"""CosyVoice3 flow: speech tokens -> mel (CausalMaskedDiffWithDiT + CausalConditionalCFM, spec section 3).
+"""CosyVoice3 flow: speech tokens -> mel (CausalMaskedDiffWithDiT + CausalConditionalCFM, design.md "The model").
 
 Submodule names equal flow.pt's keys, so the checkpoint loads with ``strict=True`` as-is.
 """
@@ -57,7 +57,7 @@ class CausalConditionalCFM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.estimator = DiT(cfg.dit)
-        # Not in any checkpoint: the official code draws it at construction (spec decision 5).
+        # Not in any checkpoint: the official code draws it at construction (design.md D5).
         self.register_buffer("rand_noise", cfm_noise_table(cfg.output_size, cfg.noise_len), persistent=False)
 
     def t_span(self, n_timesteps: int, device, dtype) -> torch.Tensor:

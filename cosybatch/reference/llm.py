@@ -4,7 +4,7 @@ Prefill the whole zero-shot input, then decode one token per step with a contigu
 (positions continue from the prefill length). Stop rule and lengths as the official code:
 min_len = int(2 * n_text), max_len = int(20 * n_text) with n_text the *target* text tokens only.
 During the first min_len steps the official code masks only ``sos`` (= speech_token_size), not
-eos, so min_len is not really enforced (spec decision 2); ``enforce_min_len=True`` masks every
+eos, so min_len is not really enforced (design.md D2); ``enforce_min_len=True`` masks every
 stop id instead.
 """
 

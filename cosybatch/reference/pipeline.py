@@ -13,7 +13,7 @@ import torch
 
 from cosybatch.codec.hops import HopSchedule, SegmentPlanner
 from cosybatch.reference.llm import generate_tokens
-from cosybatch.reference.token2wav import HiftStream, PromptTensors, flow_chunk, flow_full
+from cosybatch.reference.token2wav import HiftStream, flow_chunk, flow_full
 from cosybatch.sampling import silent_filter
 
 
@@ -72,13 +72,9 @@ class ReferencePipeline:
         feats = clock.run("frontend_s", self.frontend.prompt, prompt_wav)
         text = clock.run("frontend_s", self.frontend.prepare, prompt_transcript, target_text)
         dev = self.device
-        prompt = PromptTensors(
-            speech_tokens=feats.speech_tokens.to(dev)[None].long(),
-            mel=feats.mel.to(dev),
-            embedding=feats.embedding.to(dev),
-        )
+        prompt = feats.to(dev)
         prompt_text_ids = text.prompt_text_ids.to(dev)
-        P = prompt.speech_tokens.shape[1]
+        P = prompt.speech_tokens.shape[0]
         lookahead = m.cfg.flow.pre_lookahead_len
         schedule = HopSchedule()
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -108,7 +104,7 @@ class ReferencePipeline:
                 # Chunks fire while the LM is still decoding, as in the official threaded loop.
                 clock.t["llm_s"] -= _pause(clock, lambda: _drain(planner, trace, emit, finished=False))
 
-            clock.run("llm_s", generate_tokens, m.llm, seg_ids.to(dev), prompt_text_ids, prompt.speech_tokens[0],
+            clock.run("llm_s", generate_tokens, m.llm, seg_ids.to(dev), prompt_text_ids, prompt.speech_tokens,
                       self.sampling, generator=generator, enforce_min_len=self.enforce_min_len, on_token=on_token)
             trace.flow_tokens = silent_filter(trace.llm_tokens)
             if stream:

@@ -11,24 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from cosybatch.codec.hops import Chunk
+from cosybatch.prompt import PromptFeatures
 
 
-@dataclass
-class PromptTensors:
-    """A prompt's flow conditioning, already on the model's device."""
-
-    speech_tokens: torch.Tensor  # [1, P] long
-    mel: torch.Tensor  # [1, 2P, 80]
-    embedding: torch.Tensor  # [1, 192]
-
-
-def flow_chunk(flow, tokens: torch.Tensor, prompt: PromptTensors, chunk: Chunk, full_attention_final: bool = True) -> torch.Tensor:
+def flow_chunk(flow, tokens: torch.Tensor, prompt: PromptFeatures, chunk: Chunk, full_attention_final: bool = True) -> torch.Tensor:
     """Mel frames [1, 80, F] that ``chunk`` adds; ``tokens`` is the segment's flow-token list [N]."""
-    # The official final hop runs with streaming=False (full attention): spec decision 4.
+    # The official final hop runs with streaming=False (full attention): design.md D4.
     streaming = not (chunk.finalize and full_attention_final)
     mel = flow.inference(
         token=tokens[None, : chunk.end],
-        prompt_token=prompt.speech_tokens,
+        prompt_token=prompt.speech_tokens[None],
         prompt_feat=prompt.mel,
         embedding=prompt.embedding,
         streaming=streaming,
@@ -37,10 +29,10 @@ def flow_chunk(flow, tokens: torch.Tensor, prompt: PromptTensors, chunk: Chunk, 
     return mel[:, :, chunk.offset * flow.cfg.token_mel_ratio :]
 
 
-def flow_full(flow, tokens: torch.Tensor, prompt: PromptTensors) -> torch.Tensor:
+def flow_full(flow, tokens: torch.Tensor, prompt: PromptFeatures) -> torch.Tensor:
     return flow.inference(
         token=tokens[None],
-        prompt_token=prompt.speech_tokens,
+        prompt_token=prompt.speech_tokens[None],
         prompt_feat=prompt.mel,
         embedding=prompt.embedding,
         streaming=False,

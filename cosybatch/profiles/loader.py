@@ -7,32 +7,28 @@ optionally ``inherits: NAME|PATH`` (the child's keys win) and ``requires: {dotte
 ``--set dotted.key=value`` overrides are typed by YAML and validated exactly like file keys.
 
 Every mistake is a :class:`ProfileError` naming the dotted key and where it came from, raised
-before any model work (anchor review finding 3: requirements are enforced, not comments).
+before any model work: a profile's requirements are enforced, not comments (design.md D11).
 
-Profile names are looked up in ``$COSYBATCH_PROFILES`` (if set), then in the repository's
-``profiles/`` folder next to the package. An installed wheel does not carry that folder: pass
-a path (``--profile /path/to/x.yaml``) there.
+Profile names are looked up in ``$COSYBATCH_PROFILES`` (if set), then among the profiles shipped
+inside the package (``cosybatch/profiles/*.yaml``, package data found with importlib.resources,
+so a plain wheel install has them); a path (``--profile /path/to/x.yaml``) always works.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from importlib import resources
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import yaml
 
-from cosybatch.config import SamplingConfig
-from cosybatch.profile_schema import (DEFAULTS, GROUPS, LEAVES, NOT_SETTABLE, RANGES, ARProfile, CodecProfile,
+from cosybatch.profiles.schema import (DEFAULTS, GROUPS, LEAVES, NOT_SETTABLE, RANGES, ARProfile, CodecProfile,
                                       HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile,
                                       check_requires, check_value, cross_check, flatten, fmt, got, unknown_key)
-
-__all__ = ["ARProfile", "CodecProfile", "EffectiveSampling", "HopsProfile", "Optimizations", "Profile",
-           "ProfileError", "SamplingProfile", "available_profiles", "effective_hops", "effective_sampling",
-           "load_profile", "parse_override", "profiles_dirs", "resolve_profile_path"]
 
 log = logging.getLogger("cosybatch.profiles")
 
@@ -41,12 +37,35 @@ log = logging.getLogger("cosybatch.profiles")
 
 
 def profiles_dirs() -> list[Path]:
+    """Where profile names are looked up, first match wins: ``$COSYBATCH_PROFILES``, then the
+    shipped ones."""
     dirs = [Path(d) for d in os.environ.get("COSYBATCH_PROFILES", "").split(os.pathsep) if d]
-    return dirs + [Path(__file__).resolve().parents[1] / "profiles"]
+    return dirs + [_shipped_dir()]
+
+
+def _shipped_dir() -> Path:
+    # The YAMLs sit beside this module as package data; files() gives their real folder for an
+    # installed wheel and an editable checkout alike (the package is never zipped).
+    return Path(str(resources.files("cosybatch.profiles")))
 
 
 def available_profiles() -> list[str]:
     return sorted({p.stem for d in profiles_dirs() if d.is_dir() for p in d.glob("*.yaml")})
+
+
+def describe_profiles() -> list[tuple[str, str, Path]]:
+    """(name, description, file) of every profile a name can reach, the winning file per name."""
+    out = []
+    for name in available_profiles():
+        path = resolve_profile_path(name)
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as e:
+            out.append((name, f"(unreadable: {e})", path))
+            continue
+        desc = doc.get("description") if isinstance(doc, dict) else None
+        out.append((name, str(desc or ""), path))
+    return out
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -189,58 +208,3 @@ def load_profile(spec: str | os.PathLike | None = None, overrides: Sequence[str]
     check_requires(profile, who)
     cross_check(profile, who)
     return profile
-
-
-# --- what the engine gets --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EffectiveSampling:
-    """The sampler a run uses, with every value filled in."""
-
-    mode: Literal["ras", "standard"]
-    temperature: float
-    top_p: float
-    top_k: int  # standard: 0 = off
-    win_size: int
-    tau_r: float
-    repetition_penalty: float
-    seed: int
-    enforce_min_len: bool
-    max_tokens: int | None
-
-    def ras_config(self) -> SamplingConfig:
-        return SamplingConfig(top_p=self.top_p, top_k=self.top_k, win_size=self.win_size, tau_r=self.tau_r)
-
-
-def effective_sampling(s: SamplingProfile, checkpoint: SamplingConfig) -> EffectiveSampling:
-    """Fill unset sampling values: RAS ones from the checkpoint's yaml (logged), standard ones
-    with the neutral value (temperature 1, top-p 1, top-k off, no penalty)."""
-    common = dict(seed=s.seed, enforce_min_len=s.enforce_min_len, max_tokens=s.max_tokens)
-    if s.mode == "standard":
-        return EffectiveSampling("standard", s.temperature or 1.0, s.top_p or 1.0, s.top_k or 0,
-                                 checkpoint.win_size, checkpoint.tau_r, s.repetition_penalty or 1.0, **common)
-    picked = {n: getattr(s, n) if getattr(s, n) is not None else getattr(checkpoint, n)
-              for n in ("top_p", "top_k", "win_size", "tau_r")}
-    from_ckpt = [n for n in picked if getattr(s, n) is None]
-    if from_ckpt:
-        log.info("sampling.mode=%s: %s from the checkpoint's yaml", s.mode,
-                 ", ".join(f"{n}={picked[n]}" for n in from_ckpt))
-    return EffectiveSampling("ras", 1.0, picked["top_p"], picked["top_k"], picked["win_size"], picked["tau_r"],
-                             1.0, **common)
-
-
-OFFICIAL_FIRST_HOP, OFFICIAL_MAX_HOP = 25, 100  # CosyVoice3Model hard-codes these, whatever chunk_size is
-
-
-def effective_hops(h: HopsProfile, chunk_size: int) -> tuple[int, int, int]:
-    """(first, max, scale) in tokens; unset values are the official 25 and 100. The codec stays
-    exact when hops do not line up with the checkpoint's attention chunks (the incomplete chunk
-    is recomputed), so ``chunk_size`` only serves the log line."""
-    first = h.first if h.first is not None else OFFICIAL_FIRST_HOP
-    mx = h.max if h.max is not None else max(OFFICIAL_MAX_HOP, first)
-    if first % chunk_size or mx % chunk_size:
-        log.info("hops %d..%d do not line up with chunk_size %d: partial chunks are recomputed", first, mx, chunk_size)
-    if mx < first:
-        raise ProfileError(f"hops.max={mx} must be >= hops.first={first}")
-    return first, mx, h.scale

@@ -1,9 +1,9 @@
 """The profile schema: a frozen dataclass tree, strict value typing, and the rules that tie keys
-together. Loading, inheritance and overrides live in :mod:`cosybatch.profiles`.
+together. Loading, inheritance and overrides live in :mod:`cosybatch.profiles.loader`.
 
 The defaults here are the exact path; a profile opts into every speed-up by name. Where one
 setting needs another, :func:`cross_check` rejects the profile and says which and why: nothing
-is silently overridden (anchor review finding 4).
+is silently overridden (design.md D11).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class CodecProfile:
     # PyTorch enables it for cuDNN by default; cosybatch sets it explicitly either way.
     hift_tf32: bool = False
     attention: Literal["auto", "sdpa", "varlen", "flash"] = "auto"
-    # Run flow + HiFT on their own thread and CUDA stream, overlapping the AR engine's steps.
-    overlap: bool = False
+    # GPU milliseconds of codec work queued between two AR steps: bounds the time between a
+    # row's tokens; an imminent playback deadline may overrun it (design.md D15).
+    budget_ms: float = 6.0
     # Threads that compute prompt features (ONNX tokenizer, CAM++, mels) ahead of admission.
     frontend_workers: int = 4
 
@@ -57,8 +58,8 @@ class CodecProfile:
 class HopsProfile:
     """Streaming hop schedule in speech tokens (see ``cosybatch.codec.hops``)."""
 
-    first: int | None = None  # None: the checkpoint's chunk_size
-    max: int | None = None  # None: 4 x first (the official 25 -> 100)
+    first: int | None = None  # None: the official 25 tokens (plus the prompt pad)
+    max: int | None = None  # None: the official 100 (or first, if larger)
     scale: int = 2
 
 
@@ -71,11 +72,12 @@ class Optimizations:
     hift_graph_capture_after: int = 3
     # [requests per batch, window frames] pairs captured at start-up, before the first request
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    flow_graphs: bool = False
+    flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
+    flow_graph_capacity: int = 32
     flow_compile: bool = False
     prefix_reuse: bool = False
     prefix_budget_gb: float = 8.0
-    # Opt-in and NOT exact: the official final hop uses full attention (spec decision 4).
+    # Opt-in and NOT exact: the official final hop uses full attention (design.md D4).
     chunk_causal_final: bool = False
 
 
@@ -246,6 +248,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
+    "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "optimizations.hift_graph_counters": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_capture_after": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.prefix_budget_gb": (lambda v: v >= 0, "must be >= 0"),

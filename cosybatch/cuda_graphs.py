@@ -1,0 +1,54 @@
+"""One way to capture a CUDA graph, shared by the AR engine and the codec's graph caches.
+
+Capture runs on a side stream in thread-local error mode after a warm-up (lazy kernel
+initialisation and autotuning must not happen inside the capture). A failed capture leaves
+the process as it was: the caller's stream is current again and the CUDA RNG is out of
+capture mode, so the caller can fall back to eager and carry on (design.md D11).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def capture_graph(fn: Callable[[], Any], *, pool=None, stream: "torch.cuda.Stream | None" = None,
+                  warmup: int = 1) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """(graph, fn's output inside the graph's memory). ``pool`` shares a memory pool between
+    graphs that are replayed one after another; ``stream`` is the side stream to capture on."""
+    side = stream if stream is not None else torch.cuda.Stream()
+    caller = torch.cuda.current_stream()
+    side.wait_stream(caller)
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        caller.wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = fn()
+    except BaseException:
+        # torch.cuda.graph leaves the side stream current when capture_end raises
+        torch.cuda.set_stream(caller)
+        _unpoison_cuda_rng()
+        raise
+    return graph, out
+
+
+def _unpoison_cuda_rng() -> None:
+    """After a failed capture the default CUDA generator's state stays in capture mode
+    (capture_end raised before its epilogue) and every later random op fails with
+    "Offset increment outside graph capture". Swap in a clone of that state: same seed
+    and offset, not capturing. Graphs here are deterministic, so none depends on the
+    old state object."""
+    try:
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        if hasattr(gen, "clone_state") and hasattr(gen, "graphsafe_set_state"):
+            gen.graphsafe_set_state(gen.clone_state())
+    except Exception as exc:  # pragma: no cover - best effort, GPU only
+        log.warning("could not reset the CUDA RNG state after a failed capture: %s", exc)

@@ -1,0 +1,98 @@
+"""A profile resolved once into the typed settings each layer receives (design.md, "Layers").
+
+The engine gets an ``EngineConfig``, the codec a ``CodecConfig``, the process a
+``ProcessSettings``, and the pipeline the rest (mode, hops, base sampling parameters). Nothing
+below this module reads a profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from cosybatch.codec.config import CodecConfig
+from cosybatch.config import ModelConfig, SamplingConfig, resolve_dtype
+from cosybatch.engine.config import EngineConfig
+from cosybatch.engine.request import SamplingParams
+from cosybatch.profiles.schema import HopsProfile, Profile, ProfileError, SamplingProfile
+from cosybatch.runtime import ProcessSettings
+
+log = logging.getLogger("cosybatch.profiles")
+
+# CosyVoice3Model hard-codes the hop schedule 25 -> x2 -> 100 whatever chunk_size is (design.md D3).
+OFFICIAL_FIRST_HOP, OFFICIAL_MAX_HOP = 25, 100
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything the fast pipeline needs, with every default filled in."""
+
+    engine: EngineConfig
+    codec: CodecConfig
+    process: ProcessSettings
+    streaming: bool
+    hops: tuple[int, int, int]  # (first, max, scale) in tokens
+    sampling: SamplingParams  # per-row seeds and forced lengths are derived from it
+    frontend_workers: int
+    codec_budget_ms: float  # codec GPU time between two AR steps (design.md D15)
+    profile: str = ""
+
+
+def resolve_sampling(s: SamplingProfile, checkpoint: SamplingConfig) -> SamplingParams:
+    """The engine's sampling parameters: unset RAS values come from the checkpoint's yaml
+    (logged), unset standard ones are neutral (temperature 1, top-p 1, top-k off, no penalty)."""
+    common = dict(seed=s.seed, enforce_min_len=s.enforce_min_len, max_tokens=s.max_tokens)
+    if s.mode == "standard":
+        return SamplingParams.standard(s.temperature or 1.0, s.top_p or 1.0, s.top_k or 0,
+                                       s.repetition_penalty or 1.0, **common)
+    picked = {n: getattr(s, n) if getattr(s, n) is not None else getattr(checkpoint, n)
+              for n in ("top_p", "top_k", "win_size", "tau_r")}
+    from_ckpt = [n for n in picked if getattr(s, n) is None]
+    if from_ckpt:
+        log.info("sampling.mode=%s: %s from the checkpoint's yaml", s.mode,
+                 ", ".join(f"{n}={picked[n]}" for n in from_ckpt))
+    return SamplingParams.ras(SamplingConfig(**picked), **common)
+
+
+def resolve_hops(h: HopsProfile, chunk_size: int) -> tuple[int, int, int]:
+    """(first, max, scale) in tokens; unset values are the official 25 and max(100, first). The
+    codec stays exact when hops do not line up with the checkpoint's attention chunks (the
+    incomplete chunk is recomputed), so ``chunk_size`` only serves the log line."""
+    first = h.first if h.first is not None else OFFICIAL_FIRST_HOP
+    mx = h.max if h.max is not None else max(OFFICIAL_MAX_HOP, first)
+    if first % chunk_size or mx % chunk_size:
+        log.info("hops %d..%d do not line up with chunk_size %d: partial chunks are recomputed", first, mx, chunk_size)
+    if mx < first:
+        raise ProfileError(f"hops.max={mx} must be >= hops.first={first}")
+    return first, mx, h.scale
+
+
+def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
+    """The fast engine's settings for ``profile`` on ``device`` (a torch.device)."""
+    cuda = device.type == "cuda"
+    ar = {f.name: getattr(profile.ar, f.name) for f in dataclasses.fields(profile.ar)}
+    ar["cuda_graphs"] = ar["cuda_graphs"] and cuda
+    c, o = profile.codec, profile.optimizations
+    if c.hift_dtype not in ("float32", "auto"):
+        raise ProfileError(f"codec.hift_dtype: HiFT runs in float32 (F0 in float64); {c.hift_dtype} is not implemented")
+    if not o.cached_istft:
+        log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
+                    "ISTFT (bit-equal to torch.istft)")
+    codec = CodecConfig(
+        max_num_seqs=c.max_num_seqs, flow_dtype=resolve_dtype(c.flow_dtype, device), attention=c.attention,
+        prefix_budget_bytes=int(o.prefix_budget_gb * (1 << 30)) if o.prefix_reuse else 0,
+        chunk_causal_final=o.chunk_causal_final, flow_compile=o.flow_compile,
+        flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
+        hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
+        hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
+        hift_graph_precapture=o.hift_graph_precapture if cuda else ())
+    # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
+    # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
+    # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
+    process = ProcessSettings(intra_op_threads=1 if cuda and c.frontend_workers > 1 else None,
+                              cudnn_tf32=c.hift_tf32 if cuda else None)
+    return RunSettings(engine=EngineConfig.from_mapping(ar), codec=codec, process=process,
+                       streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
+                       sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
+                       frontend_workers=c.frontend_workers, codec_budget_ms=c.budget_ms, profile=profile.name)

@@ -1,0 +1,37 @@
+"""Process-wide numeric settings, set in one place at start-up and logged (design.md D12).
+
+PyTorch keeps intra-op threads and TF32 switches per process. Components never touch them;
+the pipeline builders call :func:`apply_process_settings` once, before any model work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    intra_op_threads: int | None = None  # None: leave torch's default
+    cudnn_tf32: bool | None = None  # float32 convolutions on TF32 tensor cores (CUDA only)
+    matmul_tf32: bool | None = None  # float32 matmuls on TF32 tensor cores (CUDA only)
+
+
+def apply_process_settings(s: ProcessSettings) -> None:
+    import torch
+
+    if s.intra_op_threads is not None and s.intra_op_threads != torch.get_num_threads():
+        log.info("torch intra-op threads: %d -> %d", torch.get_num_threads(), s.intra_op_threads)
+        torch.set_num_threads(s.intra_op_threads)
+    if s.cudnn_tf32 is not None:
+        torch.backends.cudnn.allow_tf32 = s.cudnn_tf32
+    if s.matmul_tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = s.matmul_tf32
+    if s.cudnn_tf32 is not None or s.matmul_tf32 is not None:
+        log.info("float32 on CUDA: convolutions %s, matmuls %s", _tf32(s.cudnn_tf32), _tf32(s.matmul_tf32))
+
+
+def _tf32(flag: bool | None) -> str:
+    return "unchanged" if flag is None else ("TF32" if flag else "strict float32")

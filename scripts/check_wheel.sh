@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build the wheel, install it alone into a fresh virtual environment (no checkout on the path)
+# and run every shipped profile by name on the tiny fixture: proves a plain install works.
+#   scripts/check_wheel.sh            (CI runs it; TORCH_SPEC picks the torch to install)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+fixtures=${COSYBATCH_FIXTURES:-$repo/../shared/fixtures}
+model=$fixtures/cv3-tiny/model
+manifest=$fixtures/cv3-tiny/prompts/meta.lst
+[ -f "$model/llm.pt" ] || { echo "check_wheel: fixtures not found at $fixtures" >&2; exit 1; }
+python=${PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$python" -m venv "$work/venv"
+pip="$work/venv/bin/python -m pip"
+$pip install -q --upgrade pip
+$pip wheel -q --no-deps "$repo" -w "$work/dist"
+$pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+$pip install -q "$work"/dist/cosybatch-*.whl
+cd "$work"  # nothing of the checkout is importable from here
+cb="$work/venv/bin/cosybatch"
+"$work/venv/bin/python" -c "import cosybatch, sys; assert '$repo' not in cosybatch.__file__, cosybatch.__file__"
+"$cb" --version
+"$cb" profiles
+"$work/venv/bin/python" -m cosybatch --help >/dev/null
+for profile in $("$work/venv/bin/python" -c "from cosybatch.profiles import available_profiles; print(' '.join(available_profiles()))"); do
+  out="$work/out-$profile"
+  "$cb" synth "$manifest" --model "$model" --out "$out" --device cpu --profile "$profile" --quiet
+  n=$(ls "$out"/*.wav | wc -l)
+  echo "check_wheel: profile $profile wrote $n WAVs"
+  [ "$n" -eq "$(grep -cv '^\s*\(#\|$\)' "$manifest")" ]
+done
+echo "check_wheel: ok"
