@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_serving import FP32, WAV_TOL, _drain, _rows
+from parity import assert_wave_close
+from test_serving import FP32, _drain, _rows
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def test_fast_streaming_equals_reference_with_misaligned_chunks(chunk15, fixture
     ref = ReferenceSynthesizer(chunk15, torch.device("cpu"))
     assert ref.models.cfg.flow.dit.static_chunk_size == 30
     rows = [r for r in _rows(fixtures_dir) if r.utt_id in ("utt1", "utt4", "utt5_paragraph")]
-    profile = load_profile("packed_streaming", FP32 + ["codec.overlap=false", "codec.max_num_seqs=3"])
-    pipe = FastPipeline(ref.models, ref.frontend, profile, torch.device("cpu"))
+    profile = load_profile("packed_streaming", FP32 + ["codec.max_num_seqs=3"])
+    pipe = FastPipeline.from_profile(ref.models, ref.frontend, profile, torch.device("cpu"))
     chunks, ends = _drain(pipe, [(r.utt_id, r, True) for r in rows])
     assert all(e.kind == "done" for e in ends.values())
     assert pipe.codec.flow.stats["cached_tokens"] > 0  # the prefix really was reused
@@ -42,4 +43,4 @@ def test_fast_streaming_equals_reference_with_misaligned_chunks(chunk15, fixture
         want = [w for s in trace.segments for w in s.chunk_wavs]
         assert len(want) > 1, "needs several hops to mean anything"
         assert [len(c) for c in chunks[r.utt_id]] == [len(w) for w in want], r.utt_id
-        assert np.abs(np.concatenate(chunks[r.utt_id]) - trace.audio).max() <= WAV_TOL, r.utt_id
+        assert_wave_close(np.concatenate(chunks[r.utt_id]), trace.audio, r.utt_id)

@@ -48,8 +48,7 @@ def _flow_config(model_dir) -> FlowConfig:
 
 
 @pytest.fixture(scope="module")
-def flow(model_dir):
-    torch.set_num_threads(1)  # the fixtures were produced single-threaded
+def flow(model_dir, one_thread):  # one thread for speed; restored after the module
     model = CausalMaskedDiffWithDiT(_flow_config(model_dir))
     sd = torch.load(model_dir / "flow.pt", weights_only=True)
     model.load_state_dict(sd, strict=True)

@@ -58,12 +58,15 @@ def test_teacher_forced_parity(lm, tf):
         t = emb.shape[0]
         hidden = lm.backbone(emb[None], torch.arange(t)[None])[0]
         assert (hidden - tf["hidden"]).abs().max() <= 1e-5
-        # raw llm_decoder logits (not log-probs) from the first prediction position on
+        # raw llm_decoder logits (not log-probs) from the first prediction position on. The
+        # engineered decoder has row norms up to 93, so the hidden states' rounding (<= 1.9e-6)
+        # reaches the logits x ~50: measured <= 8.2e-5 with AVX2 kernels (2.3e-5 AVX-512); the
+        # fixture's closest greedy decision has a 1.9e-3 margin; a wrong layer is off by O(1).
         ref = tf["logits_from_first_prediction"]
         logits = lm.logits(hidden[t - ref.shape[0]:])
-        assert (logits - ref).abs().max() <= 1e-4
+        assert (logits - ref).abs().max() <= 3e-4
         lp = lm.logprobs(hidden[t - ref.shape[0]:])
-        assert (lp - ref.log_softmax(-1)).abs().max() <= 1e-4
+        assert (lp - ref.log_softmax(-1)).abs().max() <= 3e-4
     # the fixture's documented quirks: sos wins step 0 unmasked, eos ends the request
     assert int(ref[0].argmax()) == lm.cfg.sos
     assert int(ref[-1].argmax()) == lm.cfg.eos
