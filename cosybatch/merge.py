@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .runner import EXIT_FAILED, EXIT_OK, TIMING_SCHEMA
-from .writer import atomic_write_bytes, ledger_files, read_ledger, timing_files
+from .exits import EXIT_FAILED, EXIT_OK
+from .writer import TIMING_SCHEMA, OutputFault, atomic_write_bytes, ledger_files, read_ledger, timing_files
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,16 @@ def merge_outputs(outs: list[Path], into: Path) -> MergeResult:
               "totals": totals,
               "failed": {u: r.get("reason") for u, r in rows_state.items() if r.get("status") == "failed"},
               "rows": list(rows.values())}
-    into.mkdir(parents=True, exist_ok=True)
+    try:
+        into.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MergeError(f"cannot create {into}: {e}") from None
     path = into / "timing.json"
     if any(p.resolve() == path.resolve() for p, _ in docs):
         path = into / "timing.merged.json"  # never overwrite one of the sources
-    atomic_write_bytes(path, json.dumps(merged, indent=1, ensure_ascii=False, default=str).encode() + b"\n")
+    try:
+        atomic_write_bytes(path, json.dumps(merged, indent=1, ensure_ascii=False, default=str).encode() + b"\n")
+    except OutputFault as e:  # a full disk: one line, not a traceback
+        raise MergeError(str(e)) from None
     bad = totals["failed"] or totals["invalid"] or missing or incomplete
     return MergeResult(path, totals, EXIT_FAILED if bad else EXIT_OK)

@@ -49,7 +49,7 @@ def explain_change(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]
 
 
 @dataclass
-class Plan:
+class ResumePlan:
     todo: list[ManifestRow]
     done: dict[str, dict[str, Any]]  # utt_id -> its earlier ok ledger record
     changed: dict[str, str]  # utt_id -> fingerprint sha its WAV was made with
@@ -66,9 +66,9 @@ def finished_with_inputs(row: ManifestRow, rec: dict[str, Any], out_dir: Path) -
 
 
 def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: bool,
-                records: list[dict[str, Any]]) -> Plan:
+                records: list[dict[str, Any]]) -> ResumePlan:
     latest = latest_rows(records)
-    plan = Plan([], {}, {})
+    plan = ResumePlan([], {}, {})
     for row in rows:
         rec = latest.get(row.utt_id)
         if overwrite or rec is None or rec.get("status") != "ok":
@@ -84,7 +84,7 @@ def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: 
     return plan
 
 
-def changed_message(plan: Plan, records: list[dict[str, Any]], fp: dict[str, Any], out_dir: Path) -> str:
+def changed_message(plan: ResumePlan, records: list[dict[str, Any]], fp: dict[str, Any], out_dir: Path) -> str:
     known = {r.get("fp"): r.get("fingerprint") for r in records if r.get("event") == "run_start"}
     fp = json.loads(json.dumps(fp, default=str))  # compare like with like: the ledger holds JSON
     lines = [f"{out_dir} already holds {len(plan.changed)} row(s) made with different settings;"

@@ -4,15 +4,24 @@ The synthesizer is anything with ``sample_rate``, ``fingerprint() -> dict``,
 ``describe() -> dict`` and ``synthesize(row, stream) -> RowResult`` (see
 ``cosybatch.pipeline``); this module only needs RowResult's ``audio``,
 ``sample_rate``, ``tokens``, ``timings`` and ``chunks`` attributes.
+
+How a run ends, whatever happens: a row that fails (an exception, non-finite or empty
+audio, a WAV that cannot be written) is recorded and the others go on; SIGINT/SIGTERM drop
+the rows in flight and keep every finished one; a full disk (``writer.OutputFault``) stops
+the run with one log line. Each way, the ledger's last line and timing.json are written
+when the disk allows and the summary is printed. The synthesizer is not closed here: its
+builder (the CLI) does that, on every path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
 import platform
+import re
 import signal
 import threading
 import time
@@ -24,17 +33,17 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import __version__
+from .exits import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_exit_code, signal_name
 from .manifest import Manifest, ManifestRow
 from .progress import RunProgress, print_summary, stderr_console
-from .resume import Plan, changed_message, fingerprint_sha, input_key, plan_resume
+from .resume import ResumePlan, changed_message, fingerprint_sha, input_key, plan_resume
 from .sharding import ALL, Shard, select
-from .writer import WAV_SUBTYPES, Ledger, TimingWriter, read_ledgers, remove_stale_tmp, write_wav_atomic
+from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, read_ledgers,
+                     remove_quietly, remove_stale_tmp, wav_size, write_wav_atomic)
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 TIMING_KEYS = ("frontend_s", "llm_s", "flow_s", "hift_s", "first_chunk_s", "total_s")
-TIMING_SCHEMA = "cosybatch.timing/1"
 
 
 class RunError(Exception):
@@ -43,6 +52,10 @@ class RunError(Exception):
 
 class SettingsChanged(RunError):
     pass
+
+
+class _SynthesizerFailed(Exception):
+    """The synthesizer's batch generator raised: the run cannot go on (rows already done stay)."""
 
 
 @dataclass
@@ -78,7 +91,7 @@ def _out_lock(out_dir: Path, tag: str) -> Iterator[None]:
 
 
 class _Interrupts:
-    """SIGINT/SIGTERM become KeyboardInterrupt, except inside ``commit()`` where they wait,
+    """SIGINT/SIGTERM raise ``Interrupted``, except inside ``commit()`` where they wait,
     so a row's WAV and its ledger line are never separated by an interrupt."""
 
     def __init__(self) -> None:
@@ -90,7 +103,7 @@ class _Interrupts:
         if self._depth:
             self._pending = signum
             return
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Interrupted(signum)
 
     def __enter__(self) -> "_Interrupts":
         if threading.current_thread() is threading.main_thread():
@@ -110,8 +123,8 @@ class _Interrupts:
         finally:
             self._depth -= 1
         if self._depth == 0 and self._pending is not None:
-            self._pending = None
-            raise KeyboardInterrupt("deferred signal")
+            signum, self._pending = self._pending, None
+            raise Interrupted(signum)
 
 
 def _finite(x: Any) -> float | None:
@@ -171,6 +184,42 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
+# Speaking rates behind the free-space estimate: CosyVoice3 reads about 14 characters of
+# English (or other alphabetic text) per second, and about 4 CJK characters per second;
+# 0.5 s covers leading/trailing silence. An estimate for a warning, not a limit.
+_CHARS_PER_S, _CJK_PER_S, _PAD_S = 14.0, 4.0, 0.5
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_RECORD_BYTES_PER_ROW = 2048  # its ledger line, plus its share of timing.json (rewritten via a temp copy)
+
+
+def estimated_audio_s(text: str) -> float:
+    """Seconds of speech a row's target text is likely to become."""
+    cjk = len(_CJK.findall(text))
+    return _PAD_S + (len(text) - cjk) / _CHARS_PER_S + cjk / _CJK_PER_S
+
+
+def estimated_output_bytes(rows: list[ManifestRow], sample_rate: int, subtype: str) -> tuple[int, float]:
+    """(bytes, audio seconds) this run is likely to write into OUT."""
+    audio = [estimated_audio_s(r.target_text) for r in rows]
+    wavs = sum(wav_size(int(a * sample_rate), subtype) for a in audio)
+    return wavs + len(rows) * _RECORD_BYTES_PER_ROW, sum(audio)
+
+
+def _warn_if_short_of_space(out: Path, rows: list[ManifestRow], sample_rate: Any, subtype: str) -> None:
+    free = free_bytes(out)
+    if free is None or not rows or not isinstance(sample_rate, int) or sample_rate <= 0:
+        return
+    need, audio_s = estimated_output_bytes(rows, sample_rate, subtype)
+    if need > free:
+        log.warning("%s has %s free, but %d row(s) need about %s (~%.0f s of %s audio at %d Hz, estimated from "
+                    "text length); the run stops cleanly when the disk fills", out, _mb(free), len(rows),
+                    _mb(need), audio_s, subtype, sample_rate)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
 def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
               wav_subtype: str = "PCM_16", overwrite: bool = False, strict: bool = False,
               shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
@@ -203,6 +252,7 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
         if plan.changed:
             raise SettingsChanged(changed_message(plan, records, fp, out))
         invalid = manifest.problems_by_line() if shard.index == 0 else {}
+        _warn_if_short_of_space(out, plan.todo, getattr(synth, "sample_rate", None), wav_subtype)
         return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, wav_subtype,
                     shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
 
@@ -213,7 +263,7 @@ class _Run:
     synth: Any
     out: Path
     rows: list[ManifestRow]
-    plan: Plan
+    plan: ResumePlan
     fp: dict[str, Any]
     fp_sha: str
     invalid: dict[int, list[Any]]  # manifest line -> its problems (only the shard that reports them)
@@ -238,7 +288,12 @@ class _Run:
         self.failed: list[str] = []
         self.system = _system_info(self.synth)
         self.timing = TimingWriter(self.timing_path, self.interval, tag=self.shard.tag)
-        self.interrupted = False
+        self.signum: int | None = None  # the signal that interrupted the run
+        self.stopped: str | None = None  # why the run stopped early (an output fault, a synthesizer crash)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signum is not None
 
     def totals(self) -> dict[str, Any]:
         wall = time.time() - self.t_start
@@ -255,11 +310,13 @@ class _Run:
                    if k != "first_chunk_s" and k in self.reported},
                 **({"stage_busy_s": {k: round(v, 4) for k, v in self.synth.stage_busy().items()}}
                    if hasattr(self.synth, "stage_busy") else {}),
+                **({"timeline": self.synth.timeline()} if hasattr(self.synth, "timeline") else {}),
                 "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
 
     def timing_doc(self, complete: bool) -> dict[str, Any]:
         sys_info = dict(self.system)
         return {"schema": TIMING_SCHEMA, "complete": complete, "interrupted": self.interrupted,
+                "stopped": self.stopped,
                 "manifest": self.manifest.path, "out": str(self.out),
                 "model": sys_info.pop("model"), "device": sys_info.pop("device"),
                 "versions": sys_info.pop("versions"), "system": sys_info,
@@ -272,45 +329,105 @@ class _Run:
                 "rows": [self.timing_rows[r.utt_id] for r in self.rows if r.utt_id in self.timing_rows]}
 
     def go(self) -> RunReport:
-        todo = self.plan.todo
         if self.plan.done:
-            log.info("resuming: %d row(s) already done, %d to go", len(self.plan.done), len(todo))
-        with Ledger(self.ledger_path) as ledger, _Interrupts() as intr:
+            log.info("resuming: %d row(s) already done, %d to go", len(self.plan.done), len(self.plan.todo))
+        ledger: Ledger | None = None
+        with _Interrupts() as intr, contextlib.ExitStack() as stack:
+            try:
+                ledger = stack.enter_context(Ledger(self.ledger_path))
+                self._begin(ledger, intr)
+                self._rows_loop(ledger, intr)
+            except KeyboardInterrupt as e:
+                self._note_interrupt(e)
+            except OutputFault as e:
+                self._note_fault(e)
+            except _SynthesizerFailed as e:
+                self._note_crash(e.__cause__ or e)
+            totals = self._end(ledger, intr)
+        if not self.quiet:
+            print_summary(totals, self.console)
+        return RunReport(self._exit_code(), totals, self.out, self.ledger_path, self.timing_path, self.failed)
+
+    def _exit_code(self) -> int:
+        if self.signum is not None:
+            return interrupt_exit_code(Interrupted(self.signum))
+        if self.stopped or self.counts["failed"] or self.counts["invalid"]:
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def _begin(self, ledger: Ledger, intr: _Interrupts) -> None:
+        with intr.commit():
             ledger.append({"event": "run_start", "fp": self.fp_sha, "fingerprint": self.fp,
                            "shard": str(self.shard), "argv": self.argv, "pid": os.getpid(),
-                           "rows": len(self.rows), "todo": len(todo), "skipped": len(self.plan.done)})
+                           "rows": len(self.rows), "todo": len(self.plan.todo), "skipped": len(self.plan.done)})
             for line, probs in self.invalid.items():
                 ledger.append({"event": "invalid", "utt_id": probs[0].utt_id, "line": line,
                                "status": "invalid", "reason": "; ".join(p.reason for p in probs)})
             self.timing.write(self.timing_doc(False))
-            try:
-                with RunProgress(len(todo), enabled=not self.quiet, console=self.console) as bar:
-                    seen: set[str] = set()
-                    wanted = {r.utt_id for r in todo}
-                    for row, outcome, elapsed in self._outcomes(todo):
-                        if row.utt_id not in wanted or row.utt_id in seen:
-                            log.error("synthesizer returned an unexpected or repeated row %r; ignored", row.utt_id)
-                            continue
-                        seen.add(row.utt_id)
-                        self._commit(row, outcome, elapsed, ledger, intr, bar)
-                        if self.timing.due():
-                            self.timing.write(self.timing_doc(False))
-                    for row in todo:  # a batch engine that lost a row must not lose it silently
-                        if row.utt_id not in seen:
-                            self._failed(row, RuntimeError("the synthesizer returned no result"), ledger, intr, bar)
-            except KeyboardInterrupt:
-                self.interrupted = True
-                log.warning("interrupted: finished rows are kept; re-run the same command to resume")
-            totals = self.totals()
+
+    def _rows_loop(self, ledger: Ledger, intr: _Interrupts) -> None:
+        todo = self.plan.todo
+        wanted, seen = {r.utt_id for r in todo}, set()
+        # closing(): on an interrupt or a fault the synthesizer's generator is finished here, not
+        # whenever garbage collection gets to it.
+        with RunProgress(len(todo), enabled=not self.quiet, console=self.console) as bar, \
+                contextlib.closing(self._outcomes(todo)) as outcomes:
+            for row, outcome, elapsed in outcomes:
+                if row.utt_id not in wanted or row.utt_id in seen:
+                    log.error("synthesizer returned an unexpected or repeated row %r; ignored", row.utt_id)
+                    continue
+                seen.add(row.utt_id)
+                self._commit(row, outcome, elapsed, ledger, intr, bar)
+                if self.timing.due():
+                    self.timing.write(self.timing_doc(False))
+            for row in todo:  # a batch engine that lost a row must not lose it silently
+                if row.utt_id not in seen:
+                    self._failed(row, RuntimeError("the synthesizer returned no result"), ledger, intr, bar)
+
+    def _end(self, ledger: Ledger | None, intr: _Interrupts) -> dict[str, Any]:
+        """Last ledger line and timing.json; after a fault each may fail again (quietly)."""
+        totals = self.totals()
+        try:
             with intr.commit():
-                ledger.append({"event": "run_end", "fp": self.fp_sha, "interrupted": self.interrupted,
-                               **{k: totals[k] for k in ("ok", "failed", "skipped", "invalid", "pending")}})
-                self.timing.write(self.timing_doc(not self.interrupted))
-        if not self.quiet:
-            print_summary(totals, self.console)
-        code = (EXIT_INTERRUPTED if self.interrupted
-                else EXIT_FAILED if self.counts["failed"] or self.counts["invalid"] else EXIT_OK)
-        return RunReport(code, totals, self.out, self.ledger_path, self.timing_path, self.failed)
+                if ledger is not None:
+                    self._try_record(lambda: ledger.append(
+                        {"event": "run_end", "fp": self.fp_sha, "interrupted": self.interrupted,
+                         **({"stopped": self.stopped} if self.stopped else {}),
+                         **{k: totals[k] for k in ("ok", "failed", "skipped", "invalid", "pending")}}))
+                complete = not self.interrupted and not self.stopped
+                self._try_record(lambda: self.timing.write(self.timing_doc(complete)))
+        except KeyboardInterrupt as e:  # arrived while the last records were written; they are written
+            self._note_interrupt(e)
+        return totals
+
+    def _try_record(self, write: Any) -> None:
+        try:
+            write()
+        except OutputFault as e:
+            self._note_fault(e)
+
+    def _note_interrupt(self, e: BaseException) -> None:
+        if self.signum is not None:
+            return
+        self.signum = getattr(e, "signum", signal.SIGINT)
+        what = "interrupted" if self.signum == signal.SIGINT else f"terminated ({signal_name(self.signum)})"
+        log.warning("%s: finished rows are kept; re-run the same command to resume", what)
+
+    def _note_fault(self, e: OutputFault) -> None:
+        """The one line a full disk gets (the traceback only with --verbose)."""
+        if not self.stopped:  # later writes failing too is expected: the first one is the news
+            self.stopped = str(e)
+            kept = self.counts["ok"] + self.counts["skipped"]
+            full = e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", None))
+            hint = "free space and" if full else "once the output folder is writable again,"
+            log.error("%s; run stopped, %d finished row(s) kept: %s re-run the same command to resume",
+                      e, kept, hint)
+        log.debug("output fault", exc_info=(type(e), e, e.__traceback__))
+
+    def _note_crash(self, e: BaseException) -> None:
+        self.stopped = f"synthesizer failed: {type(e).__name__}: {e}"[:1000]
+        log.error("%s; run stopped, finished rows are kept (--verbose for the traceback)", self.stopped)
+        log.debug("synthesizer crash", exc_info=(type(e), e, e.__traceback__))
 
     def _outcomes(self, todo: list[ManifestRow]) -> Iterator[tuple[ManifestRow, Any, float | None]]:
         """(row, RowResult or the exception it raised, seconds) as rows finish.
@@ -320,8 +437,11 @@ class _Run:
         """
         batch = getattr(self.synth, "synthesize_batch", None)
         if batch is not None:
-            for row, outcome in batch(todo, self.stream):
-                yield row, outcome, None
+            try:
+                for row, outcome in batch(todo, self.stream):
+                    yield row, outcome, None  # what the caller raises is not thrown in here
+            except Exception as e:  # the engine as a whole broke down (a row's error is an outcome)
+                raise _SynthesizerFailed() from e
             return
         for row in todo:
             t0 = time.perf_counter()
@@ -356,10 +476,10 @@ class _Run:
             try:
                 rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype,
                                                     tag=self.shard.tag)
-            except OSError as e:
+            except OSError as e:  # this one file's problem; a full disk is an OutputFault and stops the run
                 self._failed(row, e, ledger, intr, bar)
                 return
-            ledger.append(rec)
+            self._append_ok(rec, ledger)
             # Counted inside the commit: a deferred Ctrl-C fires on exit, and the run_end
             # totals must include the row whose ledger line was just written.
             self.counts["ok"] += 1
@@ -372,6 +492,15 @@ class _Run:
             self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)
+
+    def _append_ok(self, rec: dict[str, Any], ledger: Ledger) -> None:
+        try:
+            ledger.append(rec)
+        except OutputFault:
+            # The WAV is in place but its record could not be written: take the WAV back, so
+            # that a WAV under its final name always has its ok line (the re-run redoes the row).
+            remove_quietly(self.out / rec["wav"])
+            raise
 
     def _base(self, row: ManifestRow) -> dict[str, Any]:
         return {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha,

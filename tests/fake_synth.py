@@ -4,13 +4,23 @@ Used in-process (``FakeSynth(...)``) and through the CLI's hidden option
 ``--synthesizer fake_synth:build`` with settings passed as ``--set key=value``:
   fail=a,b     rows whose synthesize() raises
   nan=c        rows whose audio contains a NaN
+  inf=c        rows whose audio contains an infinity
+  empty=d      rows whose audio is empty
   sleep=0.2    seconds each row takes
   freq=220     base tone (part of the fingerprint: changing it is a settings change)
   calls=PATH   append each synthesized utt_id to PATH (to see what was redone)
+  closed=PATH  close() appends "closed" to PATH (to see that every way out closes it)
+  kill=e:TERM  send this process SIGTERM (or INT) when row e starts, as `kill` would
+  setup_kill=TERM  the same while the synthesizer is being built (model loading)
+  straggler=1  start a daemon thread that never ends and that close() does not stop
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -33,6 +43,8 @@ class FakeResult:
 class FakeSynth:
     fail: set = field(default_factory=set)
     nan: set = field(default_factory=set)
+    inf: set = field(default_factory=set)
+    empty: set = field(default_factory=set)
     sleep: float = 0.0
     freq: float = 220.0
     sample_rate: int = 24000
@@ -40,6 +52,15 @@ class FakeSynth:
     model: str = "fake"
     calls: list = field(default_factory=list)
     interrupt_at: str | None = None  # raise KeyboardInterrupt when this row starts
+    kill: tuple | None = None  # (utt_id, signal number): signal this process when that row starts
+    closed_file: str | None = None
+    closed: int = 0
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.closed_file:
+            with open(self.closed_file, "a") as f:
+                f.write("closed\n")
 
     def fingerprint(self) -> dict:
         return {"model": self.model, "engine": "fake", "freq": self.freq, "sample_rate": self.sample_rate}
@@ -50,6 +71,8 @@ class FakeSynth:
     def synthesize(self, row, stream: bool) -> FakeResult:
         if row.utt_id == self.interrupt_at:
             raise KeyboardInterrupt
+        if self.kill and row.utt_id == self.kill[0]:
+            os.kill(os.getpid(), self.kill[1])  # the handler runs (and raises) right here
         t0 = time.perf_counter()
         self.calls.append(row.utt_id)
         if self.calls_file:
@@ -62,11 +85,34 @@ class FakeSynth:
         audio = expected_audio(row.utt_id, row.target_text, self.freq, self.sample_rate)
         if row.utt_id in self.nan:
             audio[len(audio) // 2] = np.nan
+        if row.utt_id in self.inf:
+            audio[len(audio) // 3] = np.inf
+        if row.utt_id in self.empty:
+            audio = audio[:0]
         chunks = 3 if stream else 1
         total = time.perf_counter() - t0
         timings = {"frontend_s": 0.001, "llm_s": 0.002, "flow_s": 0.003, "hift_s": 0.004,
                    "first_chunk_s": total / chunks, "total_s": total}
         return FakeResult(audio, self.sample_rate, tokens=len(row.target_text), timings=timings, chunks=chunks)
+
+
+class SignalReachedTheTest(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def guard_signals():
+    """While a test makes the fake signal its own process: a SIGINT/SIGTERM that the code under
+    test fails to handle fails the test, instead of killing pytest."""
+    def guard(signum, frame):
+        raise SignalReachedTheTest(signum)
+
+    saved = {s: signal.signal(s, guard) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield guard
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def expected_audio(utt_id: str, text: str, freq: float = 220.0, sr: int = 24000) -> np.ndarray:
@@ -79,12 +125,19 @@ def build(model: str, device: str, profile: str | None, overrides: list[str], st
     kw: dict = {"model": model}
     for item in overrides:
         key, _, value = item.partition("=")
-        if key in ("fail", "nan"):
+        if key in ("fail", "nan", "inf", "empty"):
             kw[key] = set(filter(None, value.split(",")))
         elif key in ("sleep", "freq"):
             kw[key] = float(value)
-        elif key == "calls":
-            kw["calls_file"] = value
+        elif key in ("calls", "closed"):
+            kw[f"{key}_file"] = value
+        elif key == "kill":
+            utt, _, sig = value.partition(":")
+            kw["kill"] = (utt, getattr(signal, f"SIG{sig or 'TERM'}"))
+        elif key == "setup_kill":
+            os.kill(os.getpid(), getattr(signal, f"SIG{value}"))
+        elif key == "straggler":
+            threading.Thread(target=threading.Event().wait, name="cosybatch-fake-straggler", daemon=True).start()
         elif key == "boom":
             raise ValueError(f"fake synthesizer setup failed: {value}")
         else:

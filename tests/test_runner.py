@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -12,11 +14,13 @@ import pytest
 import soundfile as sf
 
 from cosybatch import runner as runner_mod
+from cosybatch import writer
 from cosybatch.manifest import ManifestRow, read_manifest
 from cosybatch.merge import merge_outputs
-from cosybatch.runner import RunError, SettingsChanged, run_synth
+from cosybatch.runner import RunError, SettingsChanged, estimated_audio_s, run_synth
 from cosybatch.sharding import Shard, ShardError, assign, estimated_cost, parse_shard, select, shard_from_env
-from fake_synth import FakeSynth, expected_audio, make_manifest
+from fake_disk import FullDisk
+from fake_synth import FakeSynth, expected_audio, guard_signals, make_manifest
 
 
 def _ledger(out: Path, name="ledger.jsonl") -> list[dict]:
@@ -30,6 +34,24 @@ def _ok_ids(out: Path, name="ledger.jsonl") -> list[str]:
 def _run(man_path, synth, out, **kw):
     kw.setdefault("quiet", True)
     return run_synth(read_manifest(man_path), synth, out, **kw)
+
+
+@pytest.fixture
+def logs(caplog):
+    """Records of the ``cosybatch`` loggers (the CLI's setup_logging stops their propagation)."""
+    lg = logging.getLogger("cosybatch")
+    level, propagate = lg.level, lg.propagate
+    lg.addHandler(caplog.handler)
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False  # each record once
+    yield caplog
+    lg.removeHandler(caplog.handler)
+    lg.setLevel(level)
+    lg.propagate = propagate
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_all_rows_written_as_utt_id_wav_with_ledger_and_timing(tmp_path):
@@ -70,6 +92,7 @@ def test_one_bad_row_among_good_ones(tmp_path):
     rows = {r["utt_id"]: r for r in _ledger(out) if r.get("event") == "row"}
     assert rows["u1"]["status"] == "failed" and "synthetic failure for u1" in rows["u1"]["reason"]
     assert rows["u3"]["status"] == "failed" and "non-finite audio (1 NaN/inf samples)" in rows["u3"]["reason"]
+    assert not (out / "u3.wav").exists()
     t = json.loads((out / "timing.json").read_text())
     assert (t["totals"]["ok"], t["totals"]["failed"]) == (3, 2)
     # A re-run retries only the failed rows.
@@ -78,19 +101,149 @@ def test_one_bad_row_among_good_ones(tmp_path):
     assert synth.calls == ["u1", "u3"]
 
 
-def test_a_row_whose_wav_cannot_be_written_fails_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", [False, True])
+def test_inf_and_empty_audio_fail_alone_with_the_reason(tmp_path, batch):
+    man = make_manifest(tmp_path, 4)
+    out = tmp_path / "out"
+
+    class Batch(FakeSynth):  # the fast path's shape: results come back through synthesize_batch
+        def synthesize_batch(self, rows, stream):
+            for row in rows:
+                yield row, FakeSynth.synthesize(self, row, stream)
+
+    rep = _run(man, (Batch if batch else FakeSynth)(inf={"u1"}, empty={"u2"}), out)
+    assert rep.exit_code == 1 and rep.failed == ["u1", "u2"]
+    rows = {r["utt_id"]: r for r in _ledger(out) if r.get("event") == "row"}
+    assert rows["u1"]["reason"] == "ValueError: non-finite audio (1 NaN/inf samples)"
+    assert rows["u2"]["reason"].startswith("ValueError: empty audio")
+    assert sorted(p.name for p in out.glob("*.wav")) == ["u0.wav", "u3.wav"]
+
+
+def test_a_row_whose_wav_cannot_be_written_fails_alone(tmp_path):
     man = make_manifest(tmp_path, 3)
-    real = runner_mod.write_wav_atomic
-
-    def flaky(final, *a, **kw):
-        if final.name == "u1.wav":
-            raise OSError(5, "Input/output error")
-        return real(final, *a, **kw)
-
-    monkeypatch.setattr(runner_mod, "write_wav_atomic", flaky)
-    rep = _run(man, FakeSynth(), tmp_path / "out")
+    out = tmp_path / "out"
+    (out / "u1.wav").mkdir(parents=True)  # this one name is taken; the disk is fine
+    rep = _run(man, FakeSynth(), out)
     assert rep.exit_code == 1 and rep.failed == ["u1"]
-    assert sorted(p.name for p in (tmp_path / "out").glob("*.wav")) == ["u0.wav", "u2.wav"]
+    assert sorted(p.name for p in out.glob("*.wav") if p.is_file()) == ["u0.wav", "u2.wav"]
+    assert "IsADirectoryError" in {r["utt_id"]: r for r in _ledger(out) if r.get("event") == "row"}["u1"]["reason"]
+
+
+# ---- a full disk: one clear stop, a consistent OUT, a re-run that redoes only what is missing ----
+
+def _assert_out_consistent(out: Path, man: Path) -> list[str]:
+    """Every ledger line whole; the WAVs on disk are exactly the ok rows, each intact; no temp files."""
+    lines = (out / "ledger.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    recs = [json.loads(x) for x in lines[:-1]]
+    oks = [r["utt_id"] for r in recs if r.get("event") == "row" and r["status"] == "ok"]
+    assert sorted(p.stem for p in out.glob("*.wav")) == sorted(oks)
+    texts = {r.utt_id: r.target_text for r in read_manifest(man).rows}
+    for u in oks:
+        audio, _ = sf.read(str(out / f"{u}.wav"), dtype="float32")
+        np.testing.assert_array_equal(audio, expected_audio(u, texts[u]))
+    assert not [p.name for p in out.iterdir() if ".cbtmp" in p.name]
+    json.loads((out / "timing.json").read_text())  # still valid JSON
+    return oks
+
+
+# (file, which write of that file fails, bytes it gets first): the WAV of the third row, the
+# ledger's ok line of the third row (run_start, u0, u1, u2), timing.json after the second row.
+DISK_FULL_AT = {"wav": ("u2.wav", 1, 0), "wav_partial": ("u2.wav", 2, 5000),
+                "ledger": ("ledger.jsonl", 4, 0), "ledger_partial": ("ledger.jsonl", 4, 40),
+                "timing": ("timing.json", 3, 0)}
+
+
+@pytest.mark.parametrize("stays_full", [True, False])
+@pytest.mark.parametrize("where", list(DISK_FULL_AT))
+def test_full_disk_stops_with_one_line_and_a_consistent_out(tmp_path, monkeypatch, logs, where, stays_full):
+    man = make_manifest(tmp_path, 5)
+    out = tmp_path / "out"
+    name, nth, partial = DISK_FULL_AT[where]
+    disk = FullDisk(name, nth=nth, partial=partial)
+    monkeypatch.setattr(writer, "os", disk)
+    monkeypatch.setattr(writer.TimingWriter, "due", lambda self: True)  # a rewrite after every row
+    if not stays_full:  # space comes back right after the failed write (another job cleaned up)
+        real_write = disk.write
+
+        def write_then_free(fd, data):
+            try:
+                return real_write(fd, data)
+            except OSError:
+                disk.free()
+                raise
+        disk.write = write_then_free
+    rep = _run(man, FakeSynth(), out, wav_subtype="FLOAT")
+    assert rep.exit_code == 1 and rep.failed == []
+    errors = _errors(logs)
+    assert len(errors) == 1, errors
+    assert errors[0] == (f"cannot write {out / name}: no space left on device; run stopped, "
+                         "2 finished row(s) kept: free space and re-run the same command to resume")
+    assert not any(r.exc_info for r in logs.records if r.levelno > logging.DEBUG)  # tracebacks only with -v
+    monkeypatch.setattr(writer, "os", os)
+    assert _assert_out_consistent(out, man) == ["u0", "u1"]
+    end = _ledger(out)[-1]
+    if stays_full:
+        assert end["event"] == "row"  # no run_end: the disk never took another byte
+    else:
+        assert end["event"] == "run_end" and end["stopped"] == errors[0].split(";")[0] and end["pending"] == 3
+        t = json.loads((out / "timing.json").read_text())
+        assert t["complete"] is False and t["stopped"] == end["stopped"]
+    synth = FakeSynth()
+    assert _run(man, synth, out, wav_subtype="FLOAT").exit_code == 0
+    assert synth.calls == ["u2", "u3", "u4"]
+    assert _assert_out_consistent(out, man) == ["u0", "u1", "u2", "u3", "u4"]
+
+
+def test_disk_full_before_the_first_row(tmp_path, monkeypatch, logs):
+    man = make_manifest(tmp_path, 3)
+    out = tmp_path / "out"
+    monkeypatch.setattr(writer, "os", FullDisk("ledger.jsonl"))
+    synth = FakeSynth()
+    rep = _run(man, synth, out)
+    assert rep.exit_code == 1 and synth.calls == []
+    assert _errors(logs) == [f"cannot write {out / 'ledger.jsonl'}: no space left on device; run stopped, "
+                             "0 finished row(s) kept: free space and re-run the same command to resume"]
+    assert (out / "ledger.jsonl").read_bytes() == b"" and not list(out.glob("*.wav"))
+
+
+def test_free_space_is_checked_before_starting(tmp_path, monkeypatch, logs):
+    man = make_manifest(tmp_path, 4)
+    rows = read_manifest(man).rows
+    need, audio_s = runner_mod.estimated_output_bytes(rows, 24000, "PCM_16")
+    assert audio_s == pytest.approx(sum(0.5 + len(r.target_text) / 14 for r in rows))
+    assert need > audio_s * 24000 * 2  # samples plus headers and records
+    monkeypatch.setattr(runner_mod, "free_bytes", lambda p: need - 1)
+    assert _run(man, FakeSynth(), tmp_path / "a").exit_code == 0  # a warning, not a refusal
+    warned = [r.getMessage() for r in logs.records if "estimated from text length" in r.getMessage()]
+    assert len(warned) == 1 and "4 row(s) need about" in warned[0] and "PCM_16 audio at 24000 Hz" in warned[0]
+    logs.clear()
+    monkeypatch.setattr(runner_mod, "free_bytes", lambda p: need)
+    _run(man, FakeSynth(), tmp_path / "b")
+    assert not [r for r in logs.records if "estimated from text length" in r.getMessage()]
+
+
+def test_audio_estimate_reads_cjk_slower_than_latin():
+    assert estimated_audio_s("") == 0.5
+    assert estimated_audio_s("a" * 140) == pytest.approx(10.5)
+    assert estimated_audio_s("你好" * 20) == pytest.approx(10.5)
+
+
+def test_a_synthesizer_that_breaks_down_stops_the_run_cleanly(tmp_path, logs):
+    man = make_manifest(tmp_path, 4)
+    out = tmp_path / "out"
+
+    class Breaks(FakeSynth):
+        def synthesize_batch(self, rows, stream):
+            yield rows[0], FakeSynth.synthesize(self, rows[0], stream)
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    rep = _run(man, Breaks(), out)
+    assert rep.exit_code == 1 and _ok_ids(out) == ["u0"]
+    assert _errors(logs) == ["synthesizer failed: RuntimeError: CUDA error: an illegal memory access; "
+                             "run stopped, finished rows are kept (--verbose for the traceback)"]
+    end = _ledger(out)[-1]
+    assert end["event"] == "run_end" and end["pending"] == 3 and "illegal memory access" in end["stopped"]
 
 
 def test_invalid_rows_are_ledgered_and_strict_refuses(tmp_path):
@@ -181,6 +334,19 @@ def test_interrupt_exits_130_with_consistent_ledger_then_resumes(tmp_path):
     assert not [p for p in out.iterdir() if ".cbtmp" in p.name]
     synth = FakeSynth()
     assert _run(man, synth, out).exit_code == 0 and synth.calls == ["u2", "u3"]
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"),
+                                           (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_real_signal_mid_run_keeps_finished_rows_and_sets_the_exit_code(tmp_path, logs, sig, code, word):
+    man = make_manifest(tmp_path, 4)
+    out = tmp_path / "out"
+    with guard_signals() as guard:
+        rep = _run(man, FakeSynth(kill=("u2", sig)), out)
+        assert signal.getsignal(sig) is guard  # the runner put the handler back
+    assert rep.exit_code == code
+    assert _ok_ids(out) == ["u0", "u1"] and _ledger(out)[-1]["interrupted"] is True
+    assert f"{word}: finished rows are kept; re-run the same command to resume" in logs.text
 
 
 def test_second_writer_on_same_out_and_shard_is_refused(tmp_path):
