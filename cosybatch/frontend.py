@@ -1,39 +1,50 @@
 """Zero-shot prompt frontend: prompt wav -> (speech tokens, speaker embedding, prompt mel),
 and texts -> token ids, as the official ``CosyVoiceFrontEnd.frontend_zero_shot`` does.
+
+Prompt work is split in two so a bulk run can overlap it with synthesis:
+
+* ``load(path)`` (CPU only, any thread, never touches CUDA): hash the file's bytes, return the
+  cached features if known, else read, validate, mix to mono, resample to 16 kHz (tokenizer,
+  CAM++) and to the mel rate, and compute the Kaldi fbank (CAM++ input) with the reference
+  arithmetic (see ``frontend_models.device`` for why it is not recomputed on the GPU);
+* ``features(loaded)`` (the device part): whisper log-mel -> S3TokenizerV3, fbank -> CAM++ and
+  the prompt mel, batched over all given prompts, then the token/mel alignment cut.
+
+Backends: "torch" runs ``cosybatch.models`` S3TokenizerV3 / CAM++, loaded from the checkpoint's
+ONNX files, batched on a device; "onnxruntime" runs the ONNX files themselves one prompt at a
+time on the CPU, exactly like the official frontend (the reference path). "auto" picks torch on
+CUDA when the files have the official structure, else onnxruntime, and logs why in one line.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
-import numpy as np
 import torch
 
-from .audio import AudioError, kaldi_fbank, load_audio, prompt_mel, resample, to_mono, whisper_log_mel
+from .audio import AudioError, kaldi_fbank, load_audio, resample, to_mono
 from .audio.features import WHISPER_N_FFT
 from .config import ModelConfig
+from .frontend_models.cache import FORMAT, PromptCache, content_key, file_digest
+from .frontend_models.device import RawFeatures
+from .prompt import PromptFeatures
+
+log = logging.getLogger("cosybatch.frontend")
 
 # Properties of the two ONNX models (not of the checkpoint's yaml): both were trained on 16 kHz
 # features, and the v3 tokenizer refuses prompts over 30 s.
 ONNX_SAMPLE_RATE = 16000
 MIN_SAMPLE_RATE = 16000
 MAX_TOKENIZER_SECONDS = 30.0
-_DEFAULT_TOKENIZER_MELS = 128
-_DEFAULT_CAMPPLUS_MELS = 80
-
-
-@dataclass(frozen=True)
-class PromptFeatures:
-    speech_tokens: torch.Tensor  # LongTensor [P]
-    embedding: torch.Tensor  # FloatTensor [1, spk_embed_dim]
-    mel: torch.Tensor  # FloatTensor [1, token_mel_ratio * P, num_mels]
-
-    def clone(self) -> "PromptFeatures":
-        return PromptFeatures(self.speech_tokens.clone(), self.embedding.clone(), self.mel.clone())
+BACKENDS = ("auto", "onnxruntime", "torch")
+_PATH_MEMO = 65536  # (path, size, mtime) -> content hash entries kept
 
 
 @dataclass(frozen=True)
@@ -43,30 +54,64 @@ class TextInputs:
     segment_texts: list[str]
 
 
-def _session(path: Path, use_cuda: bool, threads: int):
-    import onnxruntime as ort
+@dataclass(frozen=True)
+class LoadedPrompt:
+    """A prompt after ``Frontend.load``: either its cached features or its resampled audio."""
 
-    if not path.is_file():
-        raise FileNotFoundError(f"ONNX model not found: {path}")
-    opt = ort.SessionOptions()
-    opt.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opt.intra_op_num_threads = threads
-    providers = ["CPUExecutionProvider"]
-    if use_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), sess_options=opt, providers=providers)
+    key: str  # content hash of the audio (file bytes, or samples + rate)
+    source: str  # path, for messages
+    wav16: torch.Tensor | None = None  # [1, n] float32 at 16 kHz
+    wav_mel: torch.Tensor | None = None  # [1, m] float32 at the prompt-mel rate
+    fbank: torch.Tensor | None = None  # [T, 80] mean-normalized Kaldi fbank (CAM++ input)
+    cached: PromptFeatures | None = None
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.wav16 is None else self.wav16.shape[-1] / ONNX_SAMPLE_RATE
 
 
-def _static_dim(session, axis: int, default: int) -> int:
-    dim = session.get_inputs()[0].shape[axis]
-    return dim if isinstance(dim, int) and dim > 0 else default
+def _choose_backend(model_dir: Path, cfg: ModelConfig, backend: str, device, dtype, onnx_cuda, onnx_threads, batch_kw):
+    """-> (implementation, one-line reason, whether that choice is the expected one).
+    An explicit "torch" raises instead of falling back."""
+    from .checkpoint.onnx_weights import FrontendModelError, load_campplus, load_s3tokenizer
+    from .frontend_models.device import DeviceFrontend
+    from .frontend_models.reference import OrtFrontend
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown frontend backend {backend!r}; choose one of {BACKENDS}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def ort(reason: str, expected: bool = False):
+        return OrtFrontend(model_dir, cfg.mel, onnx_cuda, onnx_threads), reason, expected
+
+    if backend == "onnxruntime":
+        return ort("requested", True)
+    if backend == "auto" and dev.type != "cuda":
+        return ort("no CUDA device: onnxruntime on the CPU is the reference path", True)
+    try:
+        tok = load_s3tokenizer(model_dir / "speech_tokenizer_v3.onnx")
+        cam = load_campplus(model_dir / "campplus.onnx")
+    except (FrontendModelError, FileNotFoundError) as e:
+        if backend == "torch":
+            raise
+        return ort(str(e))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if backend == "torch":
+            raise RuntimeError("frontend backend 'torch' on cuda: CUDA is not available")
+        return ort("CUDA is not available")
+    impl = DeviceFrontend(tok, cam, cfg.mel, dev, dtype=dtype, **batch_kw)
+    return impl, "the ONNX files have the S3TokenizerV3 / CAM++ structure", True
 
 
 class Frontend:
     """Prompt features and text ids for CosyVoice3 zero-shot synthesis.
 
-    ``prompt`` results are cached per file (absolute path + size + mtime) in a bounded LRU,
-    because bulk manifests reuse a few prompts for many rows. Returned tensors are CPU copies.
+    Prompt features are cached by audio content (a bounded LRU, plus ``disk_cache`` if given);
+    returned tensors are CPU copies the caller may modify.
+
+    Thread safety: ``load`` / ``load_waveform`` may run concurrently on worker threads and only
+    use the CPU. ``features`` / ``prompt`` may be called from any thread; device work is
+    serialised internally (one batch at a time, on the calling thread's current CUDA stream).
     """
 
     def __init__(
@@ -75,20 +120,49 @@ class Frontend:
         cfg: ModelConfig,
         tokenizer=None,
         *,
+        backend: str = "auto",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
         onnx_cuda: bool = False,
         onnx_threads: int = 1,
         cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
+        disk_cache: str | Path | None = None,
+        max_batch: int = 64,
+        max_batch_tokens: int = 16384,
+        bucket_s: float = 0.5,
+        fbank: str = "cpu",
+        warmup: bool = True,
     ):
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self._tokenizer = tokenizer
-        self._tok_session = _session(self.model_dir / "speech_tokenizer_v3.onnx", onnx_cuda, onnx_threads)
-        self._spk_session = _session(self.model_dir / "campplus.onnx", False, onnx_threads)
-        self.tokenizer_mels = _static_dim(self._tok_session, 1, _DEFAULT_TOKENIZER_MELS)
-        self.campplus_mels = _static_dim(self._spk_session, 2, _DEFAULT_CAMPPLUS_MELS)
-        self._cache: OrderedDict[tuple, PromptFeatures] = OrderedDict()
-        self._cache_size = max(0, int(cache_size))
-        self._lock = threading.Lock()
+        if fbank not in ("cpu", "device"):
+            raise ValueError(f"fbank must be 'cpu' (reference arithmetic, in load) or 'device', got {fbank!r}")
+        self._fbank_in_load = fbank == "cpu"
+        batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s}
+        self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
+                                                       onnx_threads, batch_kw)
+        self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtFrontend" else "torch"
+        self.backend_reason = reason
+        log.log(logging.INFO if expected else logging.WARNING, "frontend: %s (%s)", self._impl.describe(), reason)
+        self.tokenizer_mels = self._impl.n_mels
+        self.campplus_mels = self._impl.fbank_bins
+        namespace = self._disk_namespace(dtype) if disk_cache is not None else "none"
+        self._cache = PromptCache(cache_size, cache_bytes, disk_cache, namespace)
+        self._paths: OrderedDict[tuple, str] = OrderedDict()
+        self._paths_lock = threading.Lock()
+        if warmup and self.backend == "torch" and self._impl.device.type == "cuda":
+            self._impl.warmup()  # lazy CUDA setup and every length bucket's plans now, not on a prompt
+
+    def _disk_namespace(self, dtype: torch.dtype) -> str:
+        """Disk entries are only valid for these exact models, features and numerics."""
+        h = hashlib.blake2b(digest_size=12)
+        precision = "reference" if self.backend == "onnxruntime" else f"torch-{dtype}-fbank-in-load-{self._fbank_in_load}"
+        for part in (FORMAT, precision, repr(self.cfg.mel), self.cfg.sample_rate, self.cfg.flow.token_mel_ratio,
+                     file_digest(self.model_dir / "speech_tokenizer_v3.onnx"), file_digest(self.model_dir / "campplus.onnx")):
+            h.update(str(part).encode() + b"\0")
+        return h.hexdigest()
 
     # ---- text -------------------------------------------------------------------------
     @property
@@ -111,69 +185,120 @@ class Frontend:
         segments = [torch.tensor(tok.encode(t), dtype=torch.long) for t in texts]
         return TextInputs(prompt_text_ids=prompt_ids, segments=segments, segment_texts=texts)
 
-    # ---- audio ------------------------------------------------------------------------
-    def prompt(self, wav_path: str | Path) -> PromptFeatures:
-        path = Path(wav_path).resolve()
+    # ---- audio: CPU part ----------------------------------------------------------------
+    def _content_key(self, path: Path) -> str:
         try:
             st = os.stat(path)
         except OSError as e:
             raise AudioError(f"audio file not found: {path}") from e
-        key = (str(path), st.st_size, st.st_mtime_ns)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit.clone()
-        feats = self.extract(path)
-        if self._cache_size:
-            with self._lock:
-                self._cache[key] = feats
-                self._cache.move_to_end(key)
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-        return feats.clone()
+        memo = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        with self._paths_lock:
+            key = self._paths.get(memo)
+            if key is not None:
+                self._paths.move_to_end(memo)
+                return key
+        try:
+            key = content_key(path.read_bytes())
+        except OSError as e:
+            raise AudioError(f"cannot read audio file {path}: {e}") from e
+        with self._paths_lock:
+            self._paths[memo] = key
+            while len(self._paths) > _PATH_MEMO:
+                self._paths.popitem(last=False)
+        return key
 
-    def extract(self, wav_path: str | Path) -> PromptFeatures:
-        """Uncached ``prompt``."""
-        wav, sr = load_audio(wav_path)
+    def load(self, wav_path: str | Path) -> LoadedPrompt:
+        """CPU part of a prompt (thread-safe, no CUDA): cached features, or validated audio."""
+        path = Path(wav_path)
+        key = self._content_key(path)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return LoadedPrompt(key, str(path), cached=hit)
+        wav, sr = load_audio(path)
+        return self._prepare(wav, sr, key, str(path))
+
+    def load_waveform(self, wav: torch.Tensor, sample_rate: int, source: str = "<waveform>") -> LoadedPrompt:
+        """``load`` for decoded audio [channels, n] (or [n]); keyed by its samples and rate."""
+        wav = torch.as_tensor(wav, dtype=torch.float32)
+        wav = wav[None] if wav.dim() == 1 else wav
+        key = content_key(f"{int(sample_rate)}:{tuple(wav.shape)}:".encode() + wav.contiguous().numpy().tobytes())
+        hit = self._cache.get(key)
+        if hit is not None:
+            return LoadedPrompt(key, source, cached=hit)
+        return self._prepare(wav, int(sample_rate), key, source)
+
+    def _prepare(self, wav: torch.Tensor, sr: int, key: str, source: str) -> LoadedPrompt:
         if sr < MIN_SAMPLE_RATE:
-            raise AudioError(f"{wav_path}: sample rate {sr} Hz is below the supported minimum {MIN_SAMPLE_RATE} Hz")
+            raise AudioError(f"{source}: sample rate {sr} Hz is below the supported minimum {MIN_SAMPLE_RATE} Hz")
         wav = to_mono(wav)
         wav16 = resample(wav, sr, ONNX_SAMPLE_RATE)
         seconds = wav16.shape[1] / ONNX_SAMPLE_RATE
         if seconds > MAX_TOKENIZER_SECONDS:
             raise AudioError(
-                f"{wav_path}: prompt is {seconds:.2f} s; the speech tokenizer supports at most {MAX_TOKENIZER_SECONDS:.0f} s"
+                f"{source}: prompt is {seconds:.2f} s; the speech tokenizer supports at most {MAX_TOKENIZER_SECONDS:.0f} s"
             )
         wav_mel = resample(wav, sr, self.cfg.sample_rate)
         # Reflect padding (whisper n_fft/2, matcha (n_fft-hop)/2) needs more samples than it pads.
         mel_pad = (self.cfg.mel.n_fft - self.cfg.mel.hop_size) // 2
         if wav16.shape[1] <= WHISPER_N_FFT or wav_mel.shape[1] <= max(mel_pad, self.cfg.mel.n_fft // 2):
-            raise AudioError(f"{wav_path}: prompt is too short ({seconds * 1000:.0f} ms)")
-        tokens = self.speech_tokens(wav16)
-        embedding = self.speaker_embedding(wav16)
-        mel = prompt_mel(wav_mel, self.cfg.mel)[0].T[None]  # [1, F, mels]
-        return self.align(tokens, embedding, mel, wav_path)
+            raise AudioError(f"{source}: prompt is too short ({seconds * 1000:.0f} ms)")
+        fb = None
+        if self._fbank_in_load:
+            fb = kaldi_fbank(wav16, num_mel_bins=self.campplus_mels, sample_rate=ONNX_SAMPLE_RATE)
+        return LoadedPrompt(key, source, wav16.contiguous(), wav_mel.contiguous(), fb)
+
+    # ---- audio: device part -------------------------------------------------------------
+    def features(self, prompts: Sequence[LoadedPrompt]) -> list[PromptFeatures]:
+        """Features of loaded prompts, in order; the uncached ones computed as one batch."""
+        out: list[PromptFeatures | None] = [None] * len(prompts)
+        todo: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            known = p.cached if p.cached is not None else self._cache.peek(p.key)
+            if known is not None:
+                out[i] = known.clone()
+            else:
+                todo.setdefault(p.key, []).append(i)
+        if todo:
+            first = [prompts[idx[0]] for idx in todo.values()]
+            raws = self._compute(first)
+            for p, raw, idx in zip(first, raws, todo.values()):
+                feats = self._align_raw(raw, p.source)
+                self._cache.put(p.key, feats)
+                for i in idx:
+                    out[i] = feats.clone()
+        return out  # type: ignore[return-value]
+
+    def raw_features(self, prompts: Sequence[LoadedPrompt]) -> list[RawFeatures]:
+        """Uncached features before the token/mel cut (all codes), for checks and benchmarks."""
+        if any(p.wav16 is None for p in prompts):
+            raise ValueError("raw_features needs prompts loaded with their audio (not from the cache)")
+        return self._compute(prompts)
+
+    def _compute(self, prompts: Sequence[LoadedPrompt]) -> list[RawFeatures]:
+        fbank = [p.fbank for p in prompts]
+        if any(f is None for f in fbank):
+            fbank = None  # computed by the device part
+        return self._impl.compute([p.wav16 for p in prompts], [p.wav_mel for p in prompts], fbank)
+
+    def prompt(self, wav_path: str | Path) -> PromptFeatures:
+        """``features([load(wav_path)])[0]``: one prompt, cached."""
+        return self.features([self.load(wav_path)])[0]
+
+    def extract(self, wav_path: str | Path) -> PromptFeatures:
+        """Uncached ``prompt``."""
+        wav, sr = load_audio(wav_path)
+        p = self._prepare(wav, sr, "", str(wav_path))
+        return self._align_raw(self._compute([p])[0], str(wav_path))
 
     def speech_tokens(self, wav16: torch.Tensor) -> torch.Tensor:
-        feats = whisper_log_mel(wav16, n_mels=self.tokenizer_mels)
-        inputs = self._tok_session.get_inputs()
-        out = self._tok_session.run(
-            None,
-            {
-                inputs[0].name: feats.numpy().astype(np.float32, copy=False),
-                inputs[1].name: np.array([feats.shape[2]], dtype=np.int32),
-            },
-        )[0]
-        return torch.from_numpy(np.asarray(out).reshape(-1).astype(np.int64))
+        """All codes of a [1, n] 16 kHz waveform (before the alignment cut)."""
+        return self._impl.speech_tokens(wav16)
 
     def speaker_embedding(self, wav16: torch.Tensor) -> torch.Tensor:
-        fb = kaldi_fbank(wav16, num_mel_bins=self.campplus_mels, sample_rate=ONNX_SAMPLE_RATE)
-        if fb.shape[0] == 0:
-            raise AudioError("prompt is shorter than one 25 ms analysis frame")
-        name = self._spk_session.get_inputs()[0].name
-        out = self._spk_session.run(None, {name: fb[None].numpy().astype(np.float32, copy=False)})[0]
-        return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(1, -1).copy())
+        return self._impl.speaker_embedding(wav16)
+
+    def _align_raw(self, raw: RawFeatures, what: str) -> PromptFeatures:
+        return self.align(raw.tokens, raw.embedding, raw.mel, what)
 
     def align(self, tokens: torch.Tensor, embedding: torch.Tensor, mel: torch.Tensor, what="prompt") -> PromptFeatures:
         """Cut tokens and mel to a common length: n = min(frames // ratio, tokens)."""
@@ -187,9 +312,19 @@ class Frontend:
             mel=mel[:, : ratio * n].contiguous(),
         )
 
+    # ---- cache --------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        return dict(self._cache.stats, entries=len(self._cache))
+
     def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
+        self._cache.clear()
+        with self._paths_lock:
+            self._paths.clear()
+
+    def close(self) -> None:
+        """Write the pending disk-cache entries and stop the writer (call at the end of a run;
+        the in-memory cache stays usable)."""
+        self._cache.close()
 
 
-__all__ = ["Frontend", "PromptFeatures", "TextInputs", "AudioError"]
+__all__ = ["Frontend", "LoadedPrompt", "PromptFeatures", "TextInputs", "AudioError", "BACKENDS"]

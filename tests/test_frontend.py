@@ -6,6 +6,7 @@ import soundfile as sf
 import torch
 
 from conftest import ROWS, load_ref
+from parity import PROMPT_MEL_TOL, assert_log_spectrum_close
 from cosybatch.audio import AudioError, load_audio, resample, to_mono
 from cosybatch.config import MelConfig, ModelConfig
 from cosybatch.frontend import Frontend, PromptFeatures
@@ -35,9 +36,11 @@ def test_prompt_matches_official(frontend, fixtures_dir, reference_dir, utt):
     assert feats.speech_tokens.dtype == torch.long
     assert torch.equal(feats.speech_tokens, ref["frontend.prompt_speech_token"][0].long())
     assert feats.embedding.shape == (1, 192) and feats.embedding.dtype == torch.float32
-    assert (feats.embedding - ref["frontend.embedding"]).abs().max() <= 1e-5
-    assert feats.mel.shape == ref["frontend.prompt_speech_feat"].shape
-    assert (feats.mel - ref["frontend.prompt_speech_feat"]).abs().max() <= 1e-4
+    # CAM++ (|values| ~5) moves with its fbank input and onnxruntime's kernels: measured <= 3.9e-6
+    # over ISAs and threads (8e-7 from the fixture's own fbank); a pre-emphasis of 0.96 or a
+    # kaldi low_freq of 21 Hz moves it >= 6e-3, fbank noise of 1e-3 by 7.5e-5.
+    assert (feats.embedding - ref["frontend.embedding"]).abs().max() <= 3e-5
+    assert_log_spectrum_close(feats.mel, ref["frontend.prompt_speech_feat"], utt, PROMPT_MEL_TOL, bin_dim=2)
     assert feats.mel.shape[1] == 2 * feats.speech_tokens.shape[0]
 
 
@@ -49,19 +52,16 @@ def test_alignment_cut_uses_the_shorter_side(frontend, fixtures_dir, reference_d
     assert feats.speech_tokens.shape[0] == 65 and feats.mel.shape[1] == 130
 
 
-def test_prompt_cache(model_dir, fixtures_dir, monkeypatch):
+def test_prompt_cache(model_dir, fixtures_dir):
     fe = Frontend(model_dir, ModelConfig(), cache_size=1)
-    calls = []
-    real = fe.extract
-    monkeypatch.setattr(fe, "extract", lambda p: calls.append(p) or real(p))
     a = fe.prompt(_wav(fixtures_dir, "utt1"))
     a.speech_tokens.zero_()  # callers get copies: mutating one must not poison the cache
     b = fe.prompt(str(_wav(fixtures_dir, "utt1")))
-    assert len(calls) == 1
+    assert (fe.cache_stats()["misses"], fe.cache_stats()["hits"]) == (1, 1)
     assert torch.equal(b.speech_tokens, fe.extract(_wav(fixtures_dir, "utt1")).speech_tokens)
     fe.prompt(_wav(fixtures_dir, "utt3"))  # evicts utt1 (size 1)
     fe.prompt(_wav(fixtures_dir, "utt1"))
-    assert len(calls) == 4  # 2 misses + 1 direct extract + re-miss after eviction
+    assert fe.cache_stats()["misses"] == 3  # 2 first misses + re-miss after eviction
 
 
 def test_stereo_prompt_is_channel_mean(frontend, fixtures_dir, tmp_path):

@@ -10,8 +10,10 @@ stop is random too: only eos is a live stop row, tuned to end an utterance after
 on average at ``full`` under the official sampling (~65 at ``small``; geometric-like, capped at
 ``max_len`` = 20 x text tokens, possibly at step 0 since the official min_len rule does not
 mask eos; tiny's greedy decoding may instead loop until ``max_len``).  Benchmarks that
-need realistic, text-dependent lengths must force them.  Writing ``full`` takes ~15-60 s and
-~2.3-2.8 GB of memory (one state dict at a time).
+need realistic, text-dependent lengths must force them.  The two ONNX frontends have the
+official S3TokenizerV3 / CAM++ structure at every size (``onnx_standins``), ~970 MB of
+tokenizer at ``full``.  Writing ``full`` takes ~1-2 min and ~5 GB of memory (one model at a
+time).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def generate_checkpoint(out_dir, size: str = "tiny", seed: int = 0, chunk_size: 
             "cosybatch": {"size": size.lower(), "seed": seed, "chunk_size": cfg.chunk_size}}
     (out / "configuration.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     write_blank_en(out / "CosyVoice-BlankEN", cfg.llm.qwen)
-    write_onnx_standins(out, seed)
+    write_onnx_standins(out, seed, size.lower())
     for _ in write_weights(out, cfg, seed):
         pass
     return out

@@ -1,0 +1,1 @@
+"""Prompt-frontend internals: batched features, the device and reference backends, the cache."""

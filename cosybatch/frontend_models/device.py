@@ -1,0 +1,231 @@
+"""The prompt frontend's device part: features, S3TokenizerV3 and CAM++ batched on one device.
+
+Rows are sorted by length and cut into chunks (at most ``max_batch`` rows and
+``max_batch_tokens`` padded 25 Hz tokens each) to bound padding and transient memory; each chunk
+is one padded batch through whisper log-mel -> tokenizer, fbank -> CAM++ and the prompt mel,
+then copied to the host once. Results come back in input order.
+
+Latency: a chunk's padded length is rounded up to a multiple of ``bucket_s`` (the models mask
+padding exactly, so this changes no result). Prompt lengths then repeat, and so do the tensor
+shapes cuDNN/cuFFT plan for: with ``warmup`` run over every bucket once, a later prompt of any
+length meets already-planned shapes. Every length is known on the host before a chunk starts
+and host<->device copies go through reused pinned buffers, so the only wait on the device is
+the final copy.
+
+The Kaldi fbank (CAM++ input) normally arrives precomputed by the CPU part, with the reference
+function: the log energy of a low-energy band is limited by float32 FFT rounding, so the
+official fbank is itself only good to ~1e-3 there, and any other computation of it (a GPU FFT,
+or even a float64 one) moves full-size CAM++ embeddings by ~1e-4 from the official ones. When
+it is not given it is computed here, in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosybatch.audio.features import WHISPER_HOP
+from cosybatch.config import MelConfig
+from cosybatch.frontend_models.features import (KALDI_FRAME, KALDI_SHIFT, kaldi_fbank_batch, pad_frames, pad_rows,
+                                                prompt_mel_batch, whisper_log_mel_batch)
+from cosybatch.models.campplus import CAMPPlus
+from cosybatch.models.campplus_fast import CAMPPlusFast
+from cosybatch.models.s3tokenizer import S3TokenizerV3, token_lengths
+
+SAMPLE_RATE = 16000
+
+
+@dataclass(frozen=True)
+class RawFeatures:
+    """One prompt before the token/mel alignment cut (CPU tensors)."""
+
+    tokens: torch.Tensor  # long [ceil(T/4)]: every code the tokenizer gives
+    embedding: torch.Tensor  # float32 [1, 192]
+    mel: torch.Tensor  # float32 [1, F, num_mels]
+
+
+class _Staging:
+    """Grow-only pinned host buffers, one per transfer slot (each chunk ends with a
+    synchronisation, so no copy of the previous chunk still reads or writes them)."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._buf: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if not self.pinned:
+            return None
+        buf = self._buf.get(slot)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            grow = 0 if buf is None or buf.dtype != dtype else buf.numel() + buf.numel() // 4
+            buf = torch.empty(max(numel, grow), dtype=dtype, pin_memory=True)
+            self._buf[slot] = buf
+        return buf[:numel]
+
+
+class DeviceFrontend:
+    def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
+                 dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
+                 bucket_s: float = 0.5):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.mel_cfg = mel_cfg
+        self.tokenizer = tokenizer.to_mixed(self.device, dtype).eval()
+        self.campplus = CAMPPlusFast(campplus).to(device=self.device, dtype=dtype).eval()
+        self.max_batch = max(1, int(max_batch))
+        self.max_batch_tokens = max(1, int(max_batch_tokens))
+        self.bucket_s = float(bucket_s)
+        self._staging = _Staging(self.device.type == "cuda")
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, mel_cfg: MelConfig, device, **kw) -> "DeviceFrontend":
+        """Load both ONNX files into the PyTorch models (raises FrontendModelError)."""
+        from cosybatch.checkpoint.onnx_weights import load_campplus, load_s3tokenizer
+
+        d = Path(model_dir)
+        return cls(load_s3tokenizer(d / "speech_tokenizer_v3.onnx"), load_campplus(d / "campplus.onnx"),
+                   mel_cfg, device, **kw)
+
+    @property
+    def n_mels(self) -> int:
+        return self.tokenizer.cfg.n_mels
+
+    @property
+    def fbank_bins(self) -> int:
+        return self.campplus.cfg.feat_dim
+
+    def describe(self) -> str:
+        t, c = self.tokenizer.cfg, self.campplus.cfg
+        return (f"S3TokenizerV3 {t.layers}x{t.dim} ({t.heads} heads), CAM++ {'/'.join(map(str, c.block_layers))} "
+                f"on {self.device} {str(self.dtype).replace('torch.', '')}")
+
+    # ---- batching -----------------------------------------------------------------------
+    def _chunks(self, order: list[int], n16: list[int]) -> list[list[int]]:
+        chunks, cur, longest = [], [], 0
+        for i in order:
+            tok = n16[i] // 640 + 1  # 25 Hz tokens of this row
+            if cur and (len(cur) >= self.max_batch or max(longest, tok) * (len(cur) + 1) > self.max_batch_tokens):
+                chunks.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, tok)
+        return chunks + ([cur] if cur else [])
+
+    def _bucket(self, n: int, rate: int) -> int:
+        step = max(1, int(round(self.bucket_s * rate))) if self.bucket_s > 0 else 1
+        return int(math.ceil(n / step) * step)
+
+    def compute(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor],
+                fbank: list[torch.Tensor] | None = None) -> list[RawFeatures]:
+        """wav16: [1, n] float32 16 kHz rows; wav_mel: the same prompts at the mel's rate;
+        fbank: their mean-normalized Kaldi fbanks [T, 80] (None: computed here)."""
+        n16 = [int(w.shape[-1]) for w in wav16]
+        order = sorted(range(len(wav16)), key=lambda i: n16[i])
+        out: list[RawFeatures | None] = [None] * len(wav16)
+        with self._lock, torch.inference_mode():
+            for chunk in self._chunks(order, n16):
+                fb = None if fbank is None else [fbank[i] for i in chunk]
+                for i, r in zip(chunk, self._batch([wav16[i] for i in chunk], [wav_mel[i] for i in chunk], fb)):
+                    out[i] = r
+        return out  # type: ignore[return-value]
+
+    # ---- transfers ----------------------------------------------------------------------
+    def _upload(self, x: torch.Tensor, lengths: torch.Tensor):
+        return x.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
+
+    def _rows(self, rows: list[torch.Tensor], size: int, slot: str):
+        """-> (padded rows on the device, lengths on the device, lengths on the host)."""
+        staged = self._staging.take(slot, len(rows) * max(size, max(r.shape[-1] for r in rows)), torch.float32)
+        x, lengths = pad_rows(rows, size, staged)
+        return (*self._upload(x, lengths), lengths)
+
+    def _fbank(self, x16, l16, n16, rows: list[torch.Tensor] | None, frames: int):
+        """-> (fbank [B, M, bins] on the device, frames on the device, frames on the host)."""
+        if rows is None:
+            fbank, dev_frames = kaldi_fbank_batch(x16.double(), l16, self.fbank_bins)
+            return fbank, dev_frames, 1 + (n16 - KALDI_FRAME) // KALDI_SHIFT
+        size = max(frames, max(r.shape[0] for r in rows))
+        staged = self._staging.take("fbank", len(rows) * size * rows[0].shape[1], torch.float32)
+        fb, n = pad_frames(rows, frames, staged)
+        return (*self._upload(fb, n), n)
+
+    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            return list(tensors)
+        out = []
+        for k, t in enumerate(tensors):
+            staged = self._staging.take(f"out{k}", t.numel(), t.dtype)
+            host = staged.view(t.shape) if staged is not None else torch.empty(t.shape, dtype=t.dtype)
+            host.copy_(t, non_blocking=staged is not None)
+            out.append(host)
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    # ---- one chunk ------------------------------------------------------------------------
+    def _batch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor], fbank_rows=None) -> list[RawFeatures]:
+        size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)
+        x16, l16, n16 = self._rows(wav16, size16, "wav16")
+        frames = n16 // WHISPER_HOP
+        feats, frames_dev = whisper_log_mel_batch(x16, l16, self.n_mels)
+        codes, _ = self.tokenizer(feats, frames_dev, padded=bool((frames < feats.shape[2]).any()))
+        fb_size = 1 + (x16.shape[1] - KALDI_FRAME) // KALDI_SHIFT
+        fbank, fb_dev, fb_frames = self._fbank(x16, l16, n16, fbank_rows, fb_size)
+        emb = self.campplus(fbank, fb_dev, padded=bool((fb_frames < fbank.shape[1]).any())).float()
+        cfg = self.mel_cfg
+        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate), "wav_mel")
+        mel, _ = prompt_mel_batch(xm, lm, cfg)
+        mel_frames = 1 + (nm + 2 * int((cfg.n_fft - cfg.hop_size) / 2) - cfg.n_fft) // cfg.hop_size
+        code_len = token_lengths(frames)
+        codes, emb, mel = self._to_host(codes, emb, mel)
+        return [
+            RawFeatures(codes[i, : int(code_len[i])].clone(), emb[i : i + 1].clone(),
+                        mel[i : i + 1, : int(mel_frames[i])].clone())
+            for i in range(len(wav16))
+        ]
+
+    # ---- single-purpose helpers ---------------------------------------------------------------
+    def speech_tokens(self, wav16: torch.Tensor) -> torch.Tensor:
+        """Raw codes of one [1, n] 16 kHz prompt (no mel, no cut)."""
+        with self._lock, torch.inference_mode():
+            x, n, _ = self._rows([wav16], 0, "wav16")
+            feats, frames = whisper_log_mel_batch(x, n, self.n_mels)
+            codes, code_len = self.tokenizer(feats, frames, padded=False)
+            return codes[0, : int(code_len[0])].cpu()
+
+    def speaker_embedding(self, wav16: torch.Tensor) -> torch.Tensor:
+        """[1, 192] embedding of one [1, n] 16 kHz prompt (reference fbank on the CPU)."""
+        from cosybatch.audio import kaldi_fbank
+
+        fb = kaldi_fbank(wav16, num_mel_bins=self.fbank_bins)
+        with self._lock, torch.inference_mode():
+            frames = torch.tensor([fb.shape[0]], device=self.device)
+            return self.campplus(fb[None].to(self.device), frames, padded=False).float().cpu()
+
+    def warmup(self, max_seconds: float = 30.0) -> None:
+        """One prompt of each length bucket up to ``max_seconds`` (exact bucket lengths: the
+        unpadded path), then one padded pair: afterwards no prompt pays for lazy CUDA setup, a
+        kernel's first load or a first cuDNN/cuFFT plan of its shape."""
+        step = self.bucket_s if self.bucket_s > 0 else max_seconds
+        rate = self.mel_cfg.sampling_rate
+
+        def row(seconds: float):
+            n = int(round(seconds * SAMPLE_RATE))
+            wav16 = 1e-2 * torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+            return wav16, torch.zeros(1, int(round(seconds * rate))) + 1e-3, torch.zeros(1 + (n - KALDI_FRAME) // KALDI_SHIFT, self.fbank_bins)
+
+        n_buckets = max(1, int(math.ceil(max_seconds / step)))
+        for k in range(1, n_buckets + 1):
+            a = row(min(k * step, max_seconds))
+            self.compute([a[0]], [a[1]], [a[2]])
+        pair = [row(1.3), row(2.0)]
+        self.compute(*[[r[i] for r in pair] for i in range(3)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+__all__ = ["DeviceFrontend", "RawFeatures"]
