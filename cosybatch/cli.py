@@ -1,8 +1,10 @@
 """The ``cosybatch`` command: parse, build, run, report.
 
 Heavy imports (torch, the models) happen inside commands so ``--help`` and ``check`` stay fast.
-Exit codes: 0 all rows fine, 1 some rows failed or were invalid, 2 usage or configuration
-error, 130 interrupted.
+Exit codes (``cosybatch.exits``): 0 all rows fine, 1 some rows failed or were invalid or the
+run stopped on an output fault (disk full), 2 usage or configuration error, 130 interrupted
+(SIGINT), 143 terminated (SIGTERM). Every way out closes the synthesizer first, so no thread
+of it is still running native code when the interpreter exits.
 
 ``synth`` has a hidden ``--synthesizer MODULE:FACTORY`` option: FACTORY is called exactly
 like ``cosybatch.pipeline.build_synthesizer(model, device, profile, overrides, stream=...)``;
@@ -12,11 +14,14 @@ Tests use them to run the whole commands around fakes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +30,8 @@ import click
 from . import __version__
 from .manifest import Manifest, ManifestError, read_manifest
 from .progress import setup_logging
-from .runner import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunError, run_synth
+from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
+from .runner import RunError, run_synth
 from .sharding import Shard, ShardError, parse_shard, select, shard_from_env
 from .writer import WAV_SUBTYPES
 
@@ -37,15 +43,90 @@ PIPELINE_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
 
 
 def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Ctrl-C anywhere in a command means exit 130 (click alone would say 'Aborted!' and 1)."""
+    """Ctrl-C anywhere in a command means exit 130 (click alone would say 'Aborted!' and 1),
+    SIGTERM exit 143 after the same clean-up (by default it would end the process on the spot)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            log.warning("interrupted")
-            sys.exit(EXIT_INTERRUPTED)
+            with _on_signals((signal.SIGTERM,), _raise_interrupted):
+                return fn(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            log.warning("%s", "interrupted" if signum == signal.SIGINT else f"terminated ({signal_name(signum)})")
+            sys.exit(interrupt_exit_code(e))
     return wrapper
+
+
+@contextlib.contextmanager
+def _on_signals(signals: tuple[int, ...], action: Callable[[int], Any]) -> Any:
+    """Run ``action(signum)`` (it raises or exits) on these signals for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, lambda signum, frame: action(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _raise_interrupted(signum: int) -> None:
+    raise Interrupted(signum)
+
+
+def _exit_for_signal(signum: int) -> None:
+    _exit_now(interrupt_exit_code(Interrupted(signum)))
+
+
+@contextlib.contextmanager
+def _closing(synthesizer: Any) -> Any:
+    """``close()`` the synthesizer on every way out (rows done, error, interrupt, full disk).
+
+    Its threads run native code (torch, onnxruntime); a daemon thread still inside such a
+    call at interpreter exit ends the process with C++ ``terminate`` (SIGABRT, exit 134).
+    """
+    try:
+        yield synthesizer
+    finally:
+        close = getattr(synthesizer, "close", None)
+        if close is not None:
+            # The ledger and timing.json are on disk by now: a second Ctrl-C or SIGTERM while
+            # the threads are joined exits at once instead of breaking off the joins.
+            with _on_signals((signal.SIGINT, signal.SIGTERM), _exit_for_signal):
+                try:
+                    close()
+                except Exception as e:
+                    log.warning("shutting the synthesizer down failed: %s: %s", type(e).__name__, e)
+                    log.debug("close() failed", exc_info=True)
+
+
+def _exit_now(code: int) -> None:
+    """End the process without interpreter finalization (where native threads abort it)."""
+    for h in logging.getLogger("cosybatch").handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_past_stragglers(code: Any) -> None:
+    """Last line of defence: one of our engine's daemon threads (named ``cosybatch-*``) still
+    alive here may be inside native code, and interpreter finalization would then abort the
+    process; leave without finalizing instead. Other libraries' threads are left alone: their
+    atexit hooks (Ray's shutdown, say) must run. Debug level: nothing the user can act on,
+    and ``close()`` should have joined them."""
+    left = [t.name for t in threading.enumerate()
+            if t.daemon and t.is_alive() and t.name.startswith("cosybatch")]
+    if not left:
+        return
+    log.debug("exiting without waiting for %d thread(s) still running: %s", len(left), ", ".join(left))
+    if code is None or isinstance(code, int):
+        _exit_now(code or 0)
+    print(code, file=sys.stderr)  # sys.exit("message") semantics
+    _exit_now(EXIT_FAILED)
 
 
 def _fail(msg: str, code: int = EXIT_USAGE) -> None:
@@ -84,6 +165,17 @@ def _load_factory(spec: str, default_attr: str = "build_synthesizer") -> Callabl
         return getattr(importlib.import_module(mod), attr or default_attr)
     except (ImportError, AttributeError) as e:
         raise click.UsageError(f"--synthesizer {spec!r}: {e}") from None
+
+
+def _build_extras(force_length: bool, prompt_cache) -> dict:
+    """Keyword arguments for a synthesizer factory, only those the user set (so a factory that
+    predates them keeps working)."""
+    kw: dict = {}
+    if force_length:
+        kw["force_length"] = True
+    if prompt_cache is not None:
+        kw["prompt_cache"] = str(prompt_cache)
+    return kw
 
 
 def _device_for(device: str) -> str:
@@ -145,37 +237,76 @@ def cli() -> None:
 @click.option("--overwrite", is_flag=True, help="Redo every row, even those already done.")
 @click.option("--shard", "shard_spec", default=None, metavar="I/N",
               help="Run shard I of N (0-based). Default: from RANK/WORLD_SIZE or a Slurm array.")
+@click.option("--devices", default=None, metavar="all|N|cuda:I,cuda:J",
+              help="One worker process per GPU (every GPU, the first N, or these), one progress bar, "
+                   "one merged summary.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="N worker processes with --device cpu (for GPUs use --devices).")
+@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
+              help="Run on a Ray cluster: one actor per GPU, OUT on shared storage (needs "
+                   "pip install 'cosybatch[ray]'). Alone: RAY_ADDRESS, or a local Ray.")
+@click.option("--prompt-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep prompt features here, keyed by the audio's content: a repeated or resumed run "
+                   "does not compute them again.")
+@click.option("--force-length", is_flag=True,
+              help="Generate the token count profile --force-length uses for each row (benchmarks with "
+                   "random weights).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or info logs.")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging with tracebacks.")
 @click.option("--synthesizer", "factory", default=DEFAULT_FACTORY, hidden=True)
 @_interruptible
 def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device: str, wav_subtype: str,
           profile: str | None, overrides: list[str], strict: bool, overwrite: bool,
-          shard_spec: str | None, quiet: bool, verbose: bool, factory: str) -> None:
+          shard_spec: str | None, devices: str | None, workers: int | None, ray_address: str | None,
+          prompt_cache: Path | None, force_length: bool, quiet: bool, verbose: bool, factory: str) -> None:
     """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT.
 
     Writes OUT/<utt_id>.wav, OUT/ledger.jsonl and OUT/timing.json. Re-running the same
-    command resumes. Exit codes: 0 all rows fine, 1 some rows failed or were invalid,
-    2 usage or configuration error, 130 interrupted.
+    command resumes. Exit codes: 0 all rows fine, 1 some rows failed or were invalid, or
+    the disk filled (one line names the file; the rows done are kept), 2 usage or
+    configuration error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
     """
     setup_logging(verbose, quiet)
+    if ray_address is not None:
+        from .ray_cli import ray_missing
+
+        missing = ray_missing()
+        if missing:
+            _fail(missing)
     shard = _resolve_shard(shard_spec)
     man = _load_manifest(manifest)
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
+    if ray_address is not None or devices is not None or workers is not None:
+        from .synth_options import SynthOptions
+
+        opts = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
+                            tuple(sys.argv[1:]), force_length=force_length,
+                            prompt_cache=str(prompt_cache) if prompt_cache else None)
+        if ray_address is not None:
+            from .ray_cli import run_on_ray
+
+            sys.exit(run_on_ray(man, out_dir, opts, address=ray_address or None, device=device, shard=shard,
+                                multi=devices is not None or workers is not None, quiet=quiet, verbose=verbose))
+        from .multi import run_workers
+
+        sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
+                             quiet=quiet, verbose=verbose))
     build = _load_factory(factory)
     try:
-        synthesizer = build(model, _device_for(device), profile, overrides, stream=stream)
+        synthesizer = build(model, _device_for(device), profile, overrides, stream=stream,
+                            **_build_extras(force_length, prompt_cache))
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
-    try:
-        if stream is None:
-            stream = bool(getattr(synthesizer, "streaming", False))
-        report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype,
-                           overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
-    except RunError as e:
-        _fail(str(e))
+    with _closing(synthesizer):
+        try:
+            if stream is None:
+                stream = bool(getattr(synthesizer, "streaming", False))
+            report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype,
+                               overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
+        except RunError as e:
+            _fail(str(e))
     if report.failed:
         shown = ", ".join(report.failed[:10]) + (" ..." if len(report.failed) > 10 else "")
         log.warning("%d row(s) failed: %s (reasons in %s)", len(report.failed), shown, report.ledger_path)
@@ -268,21 +399,23 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
 @click.option("--force-length", is_flag=True, help="Generate a fixed token count per row, derived from its text.")
 @click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write a JSON result file here.")
+@click.option("--prompt-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep prompt features here, keyed by the audio's content.")
 @click.option("--workload-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the generated EN1088-shaped workload lives (when no MANIFEST is given).")
 @click.option("--verbose", "-v", is_flag=True)
 @click.option("--pipeline", "factory", default=PIPELINE_FACTORY, hidden=True)
 def profile_command(manifest: Path | None, model: str, device: str, concurrency: int, profile_spec: str,
                     overrides: tuple[str, ...], num_prompts: int | None, num_warmups: int, seed: int,
-                    force_length: bool, result_dir: Path | None, workload_dir: Path | None, verbose: bool,
-                    factory: str) -> None:
+                    force_length: bool, result_dir: Path | None, prompt_cache: Path | None,
+                    workload_dir: Path | None, verbose: bool, factory: str) -> None:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
 
     from . import workload
     from .bench import BenchError, environment, result_table, run_closed_loop, select_rows, write_result
     from .profiles import ProfileError, load_profile
-    from .requests import SynthRequest
+    from .requests import SynthRequest, force_tokens
 
     setup_logging(verbose, quiet=False)
     try:
@@ -291,20 +424,21 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
         _fail(f"profile: {e}")
     if manifest is None:
         where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
-        manifest = workload.ensure(where, workload.default_sources())
+        manifest = workload.ensure(where)
     man = _load_manifest(manifest)
     if not man.rows:
         _fail(f"{manifest}: no usable rows")
     rows = select_rows(man.rows, num_prompts, seed)
     try:
-        pipeline = _load_factory(factory, "build_streaming_pipeline")(model, device, profile)
+        extra = {"prompt_cache": str(prompt_cache)} if prompt_cache is not None else {}
+        pipeline = _load_factory(factory, "build_streaming_pipeline")(model, device, profile, **extra)
     except Exception as e:  # setup failures (missing checkpoint, unimplemented option) are usage errors
         log.debug("pipeline setup failed", exc_info=True)
         _fail(f"cannot set up the pipeline for {model!r} with profile {profile.name!r}: {e}")
     stream = profile.mode == "streaming"
     rate = float(pipeline.token_frame_rate)
     requests = [SynthRequest(f"{i}-{row.utt_id}", row, stream,
-                             workload.force_tokens(row.target_text, rate) if force_length else None)
+                             force_tokens(row.target_text, rate) if force_length else None)
                 for i, row in enumerate(rows)]
     log.info("profile %s, %d request(s) at concurrency %d, %d warm-up(s)", profile.name, len(requests),
              concurrency, num_warmups)
@@ -324,8 +458,22 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     sys.exit(EXIT_FAILED if result.metrics["failed"] else EXIT_OK)
 
 
+@cli.command("profiles")
+def profiles_command() -> None:
+    """List the profiles --profile NAME can reach (COSYBATCH_PROFILES first, then the shipped ones)."""
+    from .profiles import describe_profiles
+
+    for name, desc, path in describe_profiles():
+        click.echo(f"{name:40s} {desc}")
+        click.echo(f"{'':40s} {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="cosybatch")
+    try:
+        cli.main(args=argv, prog_name="cosybatch")
+    except SystemExit as e:  # standalone click always ends here
+        _exit_past_stragglers(e.code)
+        raise
 
 
 if __name__ == "__main__":

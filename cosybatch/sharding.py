@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 import os
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Collection, Mapping, Sequence
 
 from .manifest import ManifestRow
 
@@ -26,6 +26,9 @@ class ShardError(ValueError):
 class Shard:
     index: int  # 0-based
     count: int
+    # Set by the multi-process launcher (cosybatch.multi), which splits only the rows still
+    # to do: then these utt_ids are the shard, instead of this index's share of the manifest.
+    members: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
@@ -97,8 +100,23 @@ def assign(rows: Sequence[ManifestRow], count: int) -> list[int]:
     return out
 
 
+def balance(rows: Sequence[ManifestRow], count: int, done: Collection[str] = ()) -> list[list[ManifestRow]]:
+    """The rows not in ``done`` split into ``count`` lists of about equal estimated cost.
+
+    Balancing the rows still to do (not the whole manifest) is what keeps every worker busy
+    on a resume, when the rows left are whatever an earlier run did not reach.
+    """
+    todo = [r for r in rows if r.utt_id not in done]
+    parts: list[list[ManifestRow]] = [[] for _ in range(count)]
+    for row, owner in zip(todo, assign(todo, count)):
+        parts[owner].append(row)
+    return parts
+
+
 def select(rows: Sequence[ManifestRow], shard: Shard) -> list[ManifestRow]:
     """This shard's rows, in manifest order."""
+    if shard.members is not None:
+        return [r for r in rows if r.utt_id in shard.members]
     if shard.count == 1:
         return list(rows)
     owners = assign(rows, shard.count)
