@@ -8,7 +8,6 @@ many rows in flight through ``serving.FastPipeline``. ``build_synthesizer`` (``s
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +41,13 @@ def _describe(model_dir, device, engine: str, **extra) -> dict:
 class ReferenceSynthesizer:
     """The exact, sequential path (profile ``reference``)."""
 
-    def __init__(self, model_dir, device: torch.device, profile=None):
+    def __init__(self, model_dir, device: torch.device, profile=None, prompt_cache=None):
         from cosybatch.checkpoint import load_models
         from cosybatch.frontend import Frontend
-        from cosybatch.profiles import effective_sampling, load_profile
+        from cosybatch.profiles import load_profile
+        from cosybatch.profiles.resolve import resolve_sampling
         from cosybatch.reference.pipeline import ReferencePipeline
+        from cosybatch.runtime import ProcessSettings, apply_process_settings
 
         profile = profile or load_profile("reference")
         s = profile.sampling
@@ -56,13 +57,13 @@ class ReferenceSynthesizer:
                              "(no sampling.mode=standard, sampling.max_tokens or hops.*)")
         self.model_dir, self.device = model_dir, device
         if device.type == "cuda":  # the exact path: no TF32 anywhere (cuDNN enables it by default)
-            torch.backends.cudnn.allow_tf32 = False
-            torch.backends.cuda.matmul.allow_tf32 = False
+            apply_process_settings(ProcessSettings(cudnn_tf32=False, matmul_tf32=False))
         self.models = load_models(model_dir, device=str(device))
-        self.frontend = Frontend(model_dir, self.models.cfg)
+        # onnxruntime on the CPU: the exact path's frontend, whatever the device
+        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache)
         self.sample_rate = self.models.cfg.sample_rate
         self.streaming = profile.mode == "streaming"
-        self.sampling = effective_sampling(s, self.models.cfg.llm.sampling)
+        self.sampling = resolve_sampling(s, self.models.cfg.llm.sampling)
         self.pipeline = ReferencePipeline(self.models, self.frontend, device, sampling=self.sampling.ras_config(),
                                           enforce_min_len=s.enforce_min_len, seed=s.seed)
 
@@ -71,6 +72,9 @@ class ReferenceSynthesizer:
 
     def describe(self) -> dict:
         return _describe(self.model_dir, self.device, "reference")
+
+    def close(self) -> None:
+        """Nothing runs beside the caller's thread."""
 
     def synthesize(self, row, stream: bool) -> RowResult:
         trace = self.pipeline.run(row.prompt_wav, row.prompt_text, row.target_text, stream)
@@ -83,29 +87,39 @@ class ReferenceSynthesizer:
         )
 
 
-def _fast_pipeline(model_dir, device: torch.device, profile):
-    from cosybatch.checkpoint import load_models
+def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
+    from cosybatch.checkpoint import load_config, load_models
     from cosybatch.frontend import Frontend
+    from cosybatch.profiles.resolve import resolve
+    from cosybatch.runtime import apply_process_settings
     from cosybatch.serving import FastPipeline
 
+    # Resolve (and so validate) the profile before loading any weights, and set the
+    # process-wide switches before any model work.
+    settings = resolve(profile, load_config(model_dir), device)
+    apply_process_settings(settings.process)
     models = load_models(model_dir, device=str(device))
-    # Large prompt cache: benchmark workloads cycle through hundreds of prompts.
-    return FastPipeline(models, Frontend(model_dir, models.cfg, cache_size=4096), profile, device)
+    # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
+    frontend = Frontend(model_dir, models.cfg, device=device, cache_size=4096, cache_bytes=2 << 30,
+                        disk_cache=prompt_cache)
+    return FastPipeline(models, frontend, settings, device)
 
 
 class FastSynthesizer:
     """``synth`` on the fast path: many rows in flight through ``serving.FastPipeline``."""
 
-    def __init__(self, model_dir, device: torch.device, profile):
+    def __init__(self, model_dir, device: torch.device, profile, force_length: bool = False, prompt_cache=None):
+        """``force_length``: each row generates the token count ``workload.force_tokens`` derives
+        from its text (what ``profile --force-length`` imposes; for random-weight benchmarks)."""
         self.model_dir, self.device, self.profile = model_dir, device, profile
-        self.pipeline = _fast_pipeline(model_dir, device, profile)
+        self.pipeline = _fast_pipeline(model_dir, device, profile, prompt_cache)
         cfg = self.pipeline.cfg
         self.sample_rate = cfg.sample_rate
         self.streaming = profile.mode == "streaming"
-        # Flow tokens -> samples is exact (token_mel_ratio mel frames per token, samples_per_frame each).
-        self.samples_per_token = cfg.hift.samples_per_frame * cfg.flow.token_mel_ratio
+        self.force_length = force_length
         # Admit a bounded window of rows so the frontend never runs far ahead of the engine.
         self.window = max(profile.ar.max_num_seqs, profile.codec.max_num_seqs) * 2
+        self._closed = False
 
     def fingerprint(self) -> dict:
         """Only what changes the audio: admission sizes, workers and graphs may change on resume."""
@@ -116,11 +130,21 @@ class FastSynthesizer:
                 "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
                 "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
                 "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
-                "chunk_causal_final": p.optimizations.chunk_causal_final}
+                "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length}
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage has been busy; rows share batches, so stages are timed per run."""
         return self.pipeline.stage_busy()
+
+    def timeline(self) -> dict:
+        """The pipeline's GPU-timeline accounting since start-up (``serving.FastPipeline``)."""
+        return self.pipeline.timeline()
+
+    def close(self) -> None:
+        """Stop and join every thread the pipeline started (safe to call twice)."""
+        if not self._closed:
+            self._closed = True
+            self.pipeline.close()
 
     def describe(self) -> dict:
         return _describe(self.model_dir, self.device, "fast", profile=self.profile.name)
@@ -135,40 +159,26 @@ class FastSynthesizer:
     def synthesize_batch(self, rows, stream: bool):
         """(row, RowResult | Exception) in completion order. ``stream`` is the profile's mode
         (``load_profile(stream=...)`` set it), so it needs no separate handling here."""
-        from cosybatch.requests import SynthRequest
+        from cosybatch.requests import SynthRequest, drive, force_tokens
 
-        todo = list(rows)
-        by_id, chunks, started, first = {}, {}, {}, {}
-        nxt = 0
-        while nxt < len(todo) or self.pipeline.has_work():
-            while nxt < len(todo) and len(by_id) < self.window:
-                row = todo[nxt]
-                by_id[row.utt_id], chunks[row.utt_id], started[row.utt_id] = row, [], time.perf_counter()
-                self.pipeline.add_request(SynthRequest(row.utt_id, row, stream))
-                nxt += 1
-            for ev in self.pipeline.step():
-                rid = ev.request_id
-                row = by_id.get(rid)
-                if row is None:
-                    continue
-                if ev.kind == "chunk":
-                    chunks[rid].append(ev.audio)
-                    if len(ev.audio) and rid not in first:
-                        first[rid] = time.perf_counter() - started[rid]
-                    continue
-                del by_id[rid]
-                pieces = chunks.pop(rid)
-                total = time.perf_counter() - started.pop(rid)
-                if ev.kind == "error":
-                    yield row, RuntimeError(ev.error)
-                    continue
-                audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-                timings = {"first_chunk_s": first.pop(rid, float("nan")), "total_s": total}
-                yield row, RowResult(audio, self.sample_rate, len(audio) // self.samples_per_token, timings, len(pieces))
+        rate = float(self.pipeline.token_frame_rate)
+        reqs = (SynthRequest(row.utt_id, row, stream, force_tokens(row.target_text, rate) if self.force_length else None)
+                for row in rows)
+        for f in drive(self.pipeline, reqs, self.window):
+            row = f.request.row
+            if f.error is not None:
+                yield row, RuntimeError(f.error)
+                continue
+            pieces = [a for _, a in f.chunks]
+            audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+            first = next((t - f.admitted for t, a in f.chunks if len(a)), float("nan"))
+            timings = {"first_chunk_s": first, "total_s": f.finished - f.admitted}
+            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces))
 
 
 def build_synthesizer(model: str, device: str = "auto", profile: str | None = None,
-                      overrides: list[str] | None = None, stream: bool | None = None):
+                      overrides: list[str] | None = None, stream: bool | None = None, force_length: bool = False,
+                      prompt_cache=None):
     """The CLI's ``synth`` factory: the profile's engine (default profile: ``default``)."""
     from cosybatch.checkpoint import resolve_model_dir
     from cosybatch.profiles import load_profile
@@ -176,14 +186,16 @@ def build_synthesizer(model: str, device: str = "auto", profile: str | None = No
     prof = load_profile(profile, list(overrides or ()), stream=stream)
     model_dir, dev = resolve_model_dir(model), pick_device(device)
     if prof.engine == "reference":
-        return ReferenceSynthesizer(model_dir, dev, prof)
-    return FastSynthesizer(model_dir, dev, prof)
+        if force_length:
+            raise ValueError("--force-length needs the fast engine (the reference path runs the official loop)")
+        return ReferenceSynthesizer(model_dir, dev, prof, prompt_cache=prompt_cache)
+    return FastSynthesizer(model_dir, dev, prof, force_length=force_length, prompt_cache=prompt_cache)
 
 
-def build_streaming_pipeline(model: str, device: str, profile):
+def build_streaming_pipeline(model: str, device: str, profile, prompt_cache=None):
     """The ``profile`` command's factory: a ``requests.StreamingPipeline`` for the profile."""
     from cosybatch.checkpoint import resolve_model_dir
 
     if profile.engine == "reference":
         raise ValueError("profile measures the fast engine; the reference engine has no streaming pipeline")
-    return _fast_pipeline(resolve_model_dir(model), pick_device(device), profile)
+    return _fast_pipeline(resolve_model_dir(model), pick_device(device), profile, prompt_cache)

@@ -1,11 +1,14 @@
-"""The fast pipeline: frontend -> continuous-batching AR engine -> packed codec, in one process.
+"""The fast pipeline: frontend -> continuous-batching AR engine -> packed codec, in one process
+whose one thread owns the GPU timeline (design.md D15).
 
-Three stages run at once. Prompt features are computed by a small thread pool ahead of
-admission; the main thread steps the AR engine (CUDA graphs, default stream); the codec
-(packed flow + batched HiFT) runs on its own thread and CUDA stream when ``codec.overlap`` is
-on, taking every hop that became ready while its previous call ran, so batches form by
-themselves. Only the main thread touches the engine and only the codec thread touches the flow
-and HiFT runners; they exchange plain Python lists under one lock.
+Each ``step`` is one iteration: admit rows whose prompt features are ready, queue one AR step
+(a prefill or a graphed decode step), queue the codec slices the policy picks for the budget
+(``timeline/policy.py``: Euler steps of the packed flow, a batched HiFT call), then read the
+AR step's tokens (the one sync of an iteration: it waits for the AR step, not for the codec
+work queued after it) and turn them into hops. Audio comes back through pinned buffers read
+once their copy has finished. One stream, one order: the AR step never competes with codec
+kernels for the GPU. Prompt audio is read and resampled on worker threads that never touch
+CUDA; when the frontend runs on the GPU, its batched models run here as one more slice.
 
 Rows are independent: an exception while preparing or running one row becomes that row's
 ``error`` event and the others go on.
@@ -18,122 +21,99 @@ import threading
 import time
 import zlib
 from collections import deque
-from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from cosybatch.codec.flow_runner import FlowRunner
-from cosybatch.config import resolve_dtype
+from cosybatch.codec.flow_runner import FlowJob, FlowRunner
 from cosybatch.codec.hift_runner import HiftRunner
-from cosybatch.codec.stage import CodecJob, CodecStage, take_batch
 from cosybatch.codec.hops import Chunk, HopSchedule, SegmentPlanner
-from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.llm_engine import LLMEngine
 from cosybatch.engine.request import SamplingParams
-from cosybatch.reference.token2wav import PromptTensors
+from cosybatch.hostcopy import h2d
+from cosybatch.profiles.resolve import RunSettings
+from cosybatch.prompt import PromptFeatures
 from cosybatch.requests import Event, SynthRequest
+from cosybatch.timeline import policy
+from cosybatch.timeline.accounting import Accounting
+from cosybatch.timeline.codec_work import CodecWork, Hop
+from cosybatch.timeline.costs import CostModel
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Row:
     req: SynthRequest
-    prompt: PromptTensors  # on the CPU; the codec thread keeps its own device copy
+    prompt: PromptFeatures  # tokens on the host; mel and embedding on the pipeline's device
     prompt_text_ids: torch.Tensor
     segments: list[torch.Tensor]
     schedule: HopSchedule
     seg: int = 0
     tokens: list[int] = field(default_factory=list)  # flow tokens of the current segment
+    generated: int = 0  # raw speech tokens the LM produced for the row, all segments
     llm_done: bool = False
     planner: SegmentPlanner | None = None
+    first_audio: float | None = None  # host time its first non-empty chunk came back
+    audio_s: float = 0.0  # seconds of audio returned so far
+
+    @property
+    def deadline(self) -> float:
+        """When a player that started at the first chunk runs out of what it has."""
+        return policy.INF if self.first_audio is None else self.first_audio + self.audio_s
 
 
 class FastPipeline:
     """Implements ``cosybatch.requests.StreamingPipeline`` over the AR engine and packed codec."""
 
-    def __init__(self, models, frontend, profile, device: torch.device):
-        from cosybatch.profiles import effective_hops, effective_sampling
-
+    def __init__(self, models, frontend, settings: RunSettings, device: torch.device):
         self.cfg = models.cfg
+        self.settings = settings
         self.frontend = frontend
         self.device = device
         self.sample_rate = self.cfg.sample_rate
         self.token_frame_rate = self.cfg.token_frame_rate
-        self.sampling = effective_sampling(profile.sampling, self.cfg.llm.sampling)
-        self.hops = effective_hops(profile.hops, self.cfg.chunk_size)
+        self.sampling = settings.sampling
+        self.hops = settings.hops
         self.lookahead = self.cfg.flow.pre_lookahead_len
-        self.streaming = profile.mode == "streaming"
-        self.max_codec = profile.codec.max_num_seqs
-        ar = {f.name: getattr(profile.ar, f.name) for f in fields(profile.ar)}
-        if device.type != "cuda":
-            ar["cuda_graphs"] = False
-        # The AR step is short and on the critical path of every row; a high-priority stream
-        # lets its blocks in between the codec's long GEMMs instead of queueing behind them.
-        self._ar_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        if device.type == "cuda" and profile.codec.frontend_workers > 1:
-            # Parallelism comes from the frontend workers; intra-op threads on top of them
-            # oversubscribe the CPU that the engine and codec threads need for launches.
-            log.info("torch intra-op threads: %d -> 1 (codec.frontend_workers=%d)", torch.get_num_threads(),
-                     profile.codec.frontend_workers)
-            torch.set_num_threads(1)
-        with self._on_ar_stream():
-            self.engine = LLMEngine(models.llm, EngineConfig.from_mapping(ar))
-        opt = profile.optimizations
-        if opt.flow_graphs:
-            raise ValueError("optimizations.flow_graphs is not implemented by the packed flow yet")
-        if not opt.cached_istft:
-            log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
-                        "ISTFT (bit-equal to torch.istft)")
-        flow = FlowRunner(
-            models.flow,
-            dtype=resolve_dtype(profile.codec.flow_dtype, device),
-            attention=profile.codec.attention,
-            prefix_budget_bytes=int(opt.prefix_budget_gb * (1 << 30)) if opt.prefix_reuse else 0,
-            chunk_causal_final=opt.chunk_causal_final,
-            compile=opt.flow_compile,
-        )
-        graphs = False
-        if opt.hift_graphs and device.type == "cuda":
-            graphs = {"capacity": opt.hift_graph_capacity, "max_counters": opt.hift_graph_counters,
-                      "capture_after": opt.hift_graph_capture_after}
-        if device.type == "cuda":
-            # Process-wide, but HiFT's are the only float32 cuDNN convolutions here (flow: bf16,
-            # F0: float64, LM: Triton); the graph cache keys on this flag.
-            torch.backends.cudnn.allow_tf32 = profile.codec.hift_tf32
-            log.info("HiFT convolutions: %s", "TF32" if profile.codec.hift_tf32 else "strict float32")
-        if profile.codec.hift_dtype not in ("float32", "auto"):
-            raise ValueError("codec.hift_dtype: HiFT runs in float32 (F0 in float64); "
-                             f"{profile.codec.hift_dtype} is not implemented")
-        hift = HiftRunner(models.hift, graphs=graphs, max_batch=self.max_codec)
-        if graphs and opt.hift_graph_precapture:
-            n = hift.precapture(opt.hift_graph_precapture)
-            log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(opt.hift_graph_precapture))
-
-        self.codec = CodecStage(flow, hift, device)
-        self._lock = threading.Condition()
-        self._pool = ThreadPoolExecutor(profile.codec.frontend_workers, thread_name_prefix="cosybatch-frontend")
-        self._preparing: dict[str, Future] = {}
+        self.streaming = settings.streaming
+        codec_cfg = settings.codec
+        self.engine = LLMEngine(models.llm, settings.engine)
+        hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False, max_batch=codec_cfg.max_num_seqs)
+        if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
+            n = hift.precapture(codec_cfg.hift_graph_precapture)
+            log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(codec_cfg.hift_graph_precapture))
+        self.acct = Accounting(device)
+        limits = policy.Limits(streaming=self.streaming, budget_ms=settings.codec_budget_ms,
+                               max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
+                               n_steps=self.cfg.flow.n_timesteps)
+        self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
+                               CostModel(learn=device.type == "cuda"), limits, device)
+        self._token_frames = self.cfg.flow.token_mel_ratio
+        self._chunk_frames = self.cfg.flow.dit.static_chunk_size
+        self._pool = ThreadPoolExecutor(settings.frontend_workers, thread_name_prefix="cosybatch-frontend")
+        self._wake = threading.Condition()
+        self._preparing: dict[str, tuple[SynthRequest, Future]] = {}
         self._rows: dict[str, _Row] = {}
-        self._ready: list[CodecJob] = []  # hops whose tokens exist, waiting for the codec
-        self._finished: deque = deque()  # (job, audio | Exception) back from the codec
-        self._release: list[tuple[str, str | None]] = []  # (segment id, row id when the row ends)
         self._events: list[Event] = []
-        self._busy = {"frontend": 0.0, "ar": 0.0}
-        self._ar_steps_since_codec = 0
-        self._codec_error: Exception | None = None
-        self._busy_lock = threading.Lock()
+        self._frontend_s = 0.0
+        self._frontend_lock = threading.Lock()  # several workers add to _frontend_s
+        # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
+        self._device_frontend = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
+        self._order = 0
+        self._marks: deque = deque()  # an event at the end of each recent iteration's work
         self._closed = False
-        self._codec_thread = None
         if device.type == "cuda":
-            # Set-up kernels (weights, schedules, graph capture) ran on other streams; the codec
-            # and AR streams must not start before they are done.
-            torch.cuda.synchronize(device)
-        if profile.codec.overlap:
-            self._codec_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-            self._codec_thread = threading.Thread(target=self._codec_loop, name="cosybatch-codec", daemon=True)
-            self._codec_thread.start()
+            torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
+
+    @classmethod
+    def from_profile(cls, models, frontend, profile, device: torch.device) -> "FastPipeline":
+        """Resolve ``profile`` for these models and device (tests and tools; the CLI's builders
+        in ``pipeline.py`` also apply the process-wide settings)."""
+        from cosybatch.profiles.resolve import resolve
+
+        return cls(models, frontend, resolve(profile, models.cfg, device), device)
 
     # ------------------------------------------------------------------ protocol
 
@@ -143,97 +123,126 @@ class FastPipeline:
             self._events.append(Event(req.request_id, "error", error=f"stream={req.stream} asked of a pipeline "
                                       f"built for mode={mode} (set the profile's mode)"))
             return
-        self._preparing[req.request_id] = self._pool.submit(self._prepare, req)
+        fut = self._pool.submit(self._prepare, req)
+        fut.add_done_callback(lambda _: self._notify())
+        self._preparing[req.request_id] = (req, fut)
 
     def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._preparing or self._rows or self._events or self._finished)
+        return bool(self._preparing or self._rows or self._events or self.codec.has_work())
 
     def stage_busy(self) -> dict[str, float]:
-        return {**self._busy, **self.codec.busy}
+        """Seconds each stage held the GPU (AR, flow, HiFT), and the frontend workers' busy time."""
+        busy = self.acct.busy_s()
+        return {"frontend": self._frontend_s + busy.get("frontend", 0.0),
+                "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
+                "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": busy.get("hift", 0.0)}
+
+    def timeline(self, reset: bool = False, wall_s: float | None = None) -> dict:
+        """AR step times, slice durations, busy and idle shares, host time per iteration
+        (since the start or the last reset; shares of ``wall_s`` if given); ``reset`` starts a
+        new window."""
+        out = self.acct.summary(wall_s)
+        if reset:
+            self.acct.reset()
+        return out
 
     def step(self) -> list[Event]:
+        t0 = time.perf_counter()
         progressed = self._admit()
-        progressed |= self._collect()
-        if self._codec_error is not None:
-            e, self._codec_error = self._codec_error, None
-            for row in list(self._rows.values()):
-                self._fail(row, e)
-        if self.engine.has_unfinished():
-            t0 = time.perf_counter()
-            try:
-                with self._on_ar_stream():
-                    outs = self.engine.step()
-            except Exception as e:  # e.g. out of memory in a prefill: fail the decoding rows, keep going
-                log.error("AR engine step failed (%s: %s); failing the rows it was decoding", type(e).__name__, e)
-                for row in [r for r in self._rows.values() if not r.llm_done]:
-                    self._fail(row, e)
-                outs = []
-            self._busy["ar"] += time.perf_counter() - t0  # step() already waits for its tokens
-            self._ar_steps_since_codec += 1
-            with self._lock:
-                for out in outs:
-                    if out.finished:
-                        self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
-                    row = self._rows.get(_row_id(out.request_id))
-                    if row is not None:
-                        row.tokens.extend(out.new_tokens)
-                        row.llm_done = row.llm_done or out.finished
-                        self._plan(row)
-                self._lock.notify_all()
-            progressed = True
-        if self._codec_thread is None and self._ready and self._codec_due():
-            self._codec_once()
-            progressed = True
-        if not progressed:
-            self._idle_wait()
+        progressed |= self._take_audio(wait=False)
+        ar = self._launch_ar()
+        progressed |= ar
+        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline)
+        self._bound_queue()
+        if self.engine.in_flight:
+            self._collect_ar()
+        progressed |= self._take_audio(wait=False)
+        self.acct.poll()
+        self.acct.iteration((time.perf_counter() - t0) * 1e3)
+        if not progressed and not self._events:
+            self._idle()
         events, self._events = self._events, []
         return events
 
-    def _on_ar_stream(self):
-        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else nullcontext()
+    def _bound_queue(self) -> None:
+        """The host runs at most two iterations ahead of the GPU. With an AR step in flight the
+        tokens' sync already bounds it; without one (rows wait for the codec) nothing would."""
+        if self.device.type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self._marks.append(ev)
+        while len(self._marks) > 2:
+            self._marks.popleft().synchronize()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        if self._codec_thread is not None:
-            self._codec_thread.join(timeout=30)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def __del__(self) -> None:  # the codec thread is a daemon; this only stops it early
-        try:
-            self.close()
-        except Exception:
-            pass
+        """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
+        let the frontend finish its disk-cache writes."""
+        self._closed = True
+        self._notify()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.frontend, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ frontend and admission
 
-    def _prepare(self, req: SynthRequest) -> _Row:
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _prepare(self, req: SynthRequest) -> tuple:
+        """(PromptFeatures, or a LoadedPrompt for the GPU frontend; the text ids), on a worker."""
         t0 = time.perf_counter()
         try:
-            feats = self.frontend.prompt(req.row.prompt_wav)
+            loaded = self.frontend.load(req.row.prompt_wav)
+            if not self._device_frontend:
+                loaded = self.frontend.features([loaded])[0]
             text = self.frontend.prepare(req.row.prompt_text, req.row.target_text)
         finally:
-            with self._busy_lock:  # several pool threads add to it
-                self._busy["frontend"] += time.perf_counter() - t0
-        prompt = PromptTensors(feats.speech_tokens[None].long(), feats.mel, feats.embedding)
-        first, mx, scale = self.hops
-        return _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
+            with self._frontend_lock:
+                self._frontend_s += time.perf_counter() - t0
+        return loaded, text
 
     def _admit(self) -> bool:
-        done = [rid for rid, f in self._preparing.items() if f.done()]
+        done = [rid for rid, (_, f) in self._preparing.items() if f.done()]
+        ready = []
         for rid in done:
-            fut = self._preparing.pop(rid)
+            req, fut = self._preparing.pop(rid)
             try:
-                row = fut.result()
+                ready.append((req, *fut.result()))
             except Exception as e:  # a bad row must not take the others down
                 self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
-                continue
-            with self._lock:
-                self._rows[rid] = row
+        if self._device_frontend and ready:
+            ready = self._prompt_features(ready)
+        for req, feats, text in ready:
+            rid = req.request_id
+            # The copy the codec reads: mel and embedding on the device, tokens on the host (they index).
+            prompt = PromptFeatures(feats.speech_tokens, h2d(feats.embedding, device=self.device),
+                                    h2d(feats.mel, device=self.device))
+            first, mx, scale = self.hops
+            row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
+            self._rows[rid] = row
             self._start_segment(row)
         return bool(done)
+
+    def _prompt_features(self, ready: list) -> list:
+        """The GPU frontend's models for every newly loaded prompt, as one batched slice. Its
+        results come back to the host (a sync behind the work queued so far): rows need their
+        speech tokens on the host. A batch that fails is retried prompt by prompt."""
+        t = self.acct.start("frontend")
+        try:
+            feats = self.frontend.features([loaded for _, loaded, _ in ready])
+            out = [(req, f, text) for (req, _, text), f in zip(ready, feats)]
+        except Exception:
+            out = []
+            for req, loaded, text in ready:
+                try:
+                    out.append((req, self.frontend.features([loaded])[0], text))
+                except Exception as e:
+                    self._events.append(Event(req.request_id, "error", error=f"{type(e).__name__}: {e}"))
+        self.acct.end(t)
+        return out
 
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling
@@ -241,11 +250,7 @@ class FastPipeline:
         # so tokens depend neither on what else is in flight nor on the row's place in the run.
         key = getattr(req.row, "utt_id", req.request_id)  # not the request id: resume/shard/order-proof
         seed = (s.seed * 1_000_003 + zlib.crc32(str(key).encode()) * 101 + seg) % (2**63)
-        kw = dict(seed=seed, enforce_min_len=s.enforce_min_len, force_length=self._forced(req, seg),
-                  max_tokens=s.max_tokens)
-        if s.mode == "standard":
-            return SamplingParams.standard(s.temperature, s.top_p, s.top_k, s.repetition_penalty, **kw)
-        return SamplingParams.ras(s.ras_config(), **kw)
+        return replace(s, seed=seed, force_length=self._forced(req, seg))
 
     def _forced(self, req: SynthRequest, seg: int) -> int | None:
         """A row's forced token count, split over its segments by their text length."""
@@ -257,122 +262,138 @@ class FastPipeline:
         return max(1, share(before + lens[seg]) - share(before))
 
     def _start_segment(self, row: _Row) -> None:
-        with self._lock:
-            row.tokens, row.llm_done = [], False
-            P = row.prompt.speech_tokens.shape[1]
-            row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
+        row.tokens, row.llm_done = [], False
+        P = row.prompt.speech_tokens.shape[0]
+        row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
         try:
-            with self._on_ar_stream():
-                self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens[0],
-                                        self._params(row.req, row.seg),
-                                        request_id=_seg_id(row.req.request_id, row.seg))
+            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
+                                    self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
         except Exception as e:
             self._fail(row, e)
 
-    # ------------------------------------------------------------------ hand-off (under the lock)
+    # ------------------------------------------------------------------ AR
 
-    def _plan(self, row: _Row) -> None:
+    def _launch_ar(self) -> bool:
+        if self.engine.in_flight or not self.engine.has_unfinished():
+            return False
+        kind = "ar_prefill" if self.engine.scheduler.can_admit() else "ar_decode"
+        t = self.acct.start(kind)
+        try:
+            launched = self.engine.launch()
+        except Exception as e:  # e.g. out of memory in a prefill: fail the rows it held, keep going
+            self.acct.end(t)
+            self._engine_failed(e)
+            return True
+        self.acct.end(t)
+        return launched
+
+    def _collect_ar(self) -> None:
+        # collect() may queue the next decode step at once (nothing finished, nobody to admit):
+        # that step is AR work on the timeline too, so it is accounted like a launched one.
+        t = self.acct.start("ar_decode")
+        try:
+            outs = self.engine.collect()
+        except Exception as e:
+            self.acct.cancel(t)
+            self._engine_failed(e)
+            return
+        if self.engine.in_flight:
+            self.acct.end(t)
+        else:
+            self.acct.cancel(t)
+        for out in outs:
+            if out.finished:
+                self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
+            row = self._rows.get(_row_id(out.request_id))
+            if row is None:
+                continue
+            row.tokens.extend(out.new_tokens)
+            row.generated += len(out.new_raw_tokens)
+            row.llm_done = row.llm_done or out.finished
+            self._plan_hops(row)
+
+    def _engine_failed(self, e: Exception) -> None:
+        log.error("AR engine step failed (%s: %s); failing the rows it was decoding", type(e).__name__, e)
+        for row in [r for r in self._rows.values() if not r.llm_done]:
+            self._fail(row, e)
+
+    # ------------------------------------------------------------------ hand-off to the codec
+
+    def _plan_hops(self, row: _Row) -> None:
         if row.planner is not None:
             while (chunk := row.planner.next_chunk(len(row.tokens), row.llm_done)) is not None:
-                self._ready.append(self._job(row, chunk, row.tokens[: chunk.end]))
+                self._hop(row, chunk, row.tokens[: chunk.end])
         elif row.llm_done:
-            self._ready.append(self._job(row, None, list(row.tokens)))
+            self._hop(row, None, list(row.tokens))
 
-    @staticmethod
-    def _job(row: _Row, chunk: Chunk | None, tokens: list[int]) -> CodecJob:
+    def _hop(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> None:
         rid = row.req.request_id
-        return CodecJob(_seg_id(rid, row.seg), rid, row.prompt, chunk, tokens, row.seg)
+        job = FlowJob(_segment_id(rid, row.seg), torch.tensor(tokens, dtype=torch.long), row.prompt, chunk)
+        self._order += 1
+        first = row.first_audio is None and row.seg == 0 and (chunk is None or chunk.index == 0)
+        self.codec.add(Hop(job, rid, self._order, first, chunk is None or chunk.finalize, self._tokens(row, chunk, tokens),
+                           time.perf_counter()))
 
-    def _codec_due(self) -> bool:
-        # Inline codec: batch hops, but never hold back a first hop (time to first audio) and
-        # never leave the GPU idle while hops wait.
-        if not self.engine.has_unfinished() or len(self._ready) >= self.max_codec:
-            return True
-        if any(j.first for j in self._ready):
-            return True
-        return self._ar_steps_since_codec >= 8
+    def _tokens(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> int:
+        """Transformer tokens the hop adds to a solve (both CFG rows): the whole row unless the
+        prefix cache holds its complete chunks."""
+        frames = self._token_frames * (row.prompt.speech_tokens.shape[0] + len(tokens))
+        if chunk is None or chunk.index == 0 or chunk.finalize or not self.settings.codec.prefix_budget_bytes:
+            return 2 * frames
+        new = self._token_frames * (chunk.end - chunk.offset) + self._chunk_frames
+        return 2 * min(frames, new)
 
-    def _collect(self) -> bool:
-        """Turn finished codec work into events, next segments and done/error (main thread)."""
-        with self._lock:
-            finished, self._finished = list(self._finished), deque()
-        for job, out in finished:
-            rid = job.row_id
-            row = self._rows.get(rid)
+    def _deadline(self, row_id: str) -> float:
+        row = self._rows.get(row_id)
+        return row.deadline if row is not None else policy.INF
+
+    def _take_audio(self, wait: bool) -> bool:
+        outcomes = self.codec.take_audio(wait)
+        for o in outcomes:
+            row = self._rows.get(o.row_id)
             if row is None:
                 continue  # the row already failed
-            if isinstance(out, Exception):
-                self._fail(row, out)
+            if o.error is not None:
+                self._fail(row, o.error)
                 continue
-            self._events.append(Event(rid, "chunk", audio=out))
-            if job.chunk is None or job.chunk.finalize:
+            self._events.append(Event(o.row_id, "chunk", audio=o.audio))
+            if len(o.audio):
+                row.first_audio = row.first_audio or time.perf_counter()
+                row.audio_s += len(o.audio) / self.sample_rate
+            if o.finalize:
+                self.codec.release(o.segment_id)
                 row.seg += 1
-                last = row.seg == len(row.segments)
-                with self._lock:
-                    self._release.append((job.seg_id, rid if last else None))
-                if not last:
+                if row.seg < len(row.segments):
                     self._start_segment(row)
                 else:
-                    with self._lock:
-                        self._rows.pop(rid, None)
-                    self._events.append(Event(rid, "done"))
-        return bool(finished)
+                    del self._rows[o.row_id]
+                    self._events.append(Event(o.row_id, "done", tokens=row.generated))
+        return bool(outcomes)
 
     def _fail(self, row: _Row, e: Exception) -> None:
         rid = row.req.request_id
+        seg_id = _segment_id(rid, row.seg)
         try:
-            self.engine.abort(_seg_id(rid, row.seg))
+            self.engine.abort(seg_id)
         except Exception:  # after an engine fault its bookkeeping may be gone; the row fails anyway
             log.debug("abort of %s failed", rid, exc_info=True)
-        with self._lock:
-            self._release.append((_seg_id(rid, row.seg), rid))
-            self._ready = [j for j in self._ready if j.row_id != rid]
-            self._rows.pop(rid, None)
+        self.codec.drop_row(rid, seg_id)
+        self._rows.pop(rid, None)
         self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
 
-    def _idle_wait(self) -> None:
-        """Nothing to do on this thread: wait for the frontend pool or the codec thread."""
-        with self._lock:
-            if self._finished or self._closed:
-                return
-            self._lock.wait(timeout=0.002)
-
-    # ------------------------------------------------------------------ codec (its own thread)
-
-    def _codec_loop(self) -> None:
-        ctx = torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else nullcontext()
-        with ctx:
-            while True:
-                with self._lock:
-                    while not (self._ready or self._release or self._closed):  # releases free memory too
-                        self._lock.wait(timeout=0.05)
-                    if self._closed:
-                        return
-                try:
-                    self._codec_once()
-                except Exception as e:  # never die silently: the main thread fails the rows in flight
-                    log.exception("codec thread error")
-                    with self._lock:
-                        self._codec_error = e
-                        self._ready.clear()
-                        self._lock.notify_all()
-
-    def _codec_once(self) -> None:
-        with self._lock:
-            for sid, rid in self._release:
-                self.codec.release(sid, rid)
-            self._release.clear()
-            batch, self._ready = take_batch(self._ready, self.max_codec)
-        self._ar_steps_since_codec = 0
-        results = self.codec.run(batch)
-        with self._lock:
-            self._finished.extend(results)
-            self._lock.notify_all()
+    def _idle(self) -> None:
+        """Nothing was queued: wait for the GPU's oldest chunk, or briefly for the frontend."""
+        if self.codec.outbox:
+            self._take_audio(wait=True)
+            return
+        with self._wake:
+            if not self._closed and not any(f.done() for _, f in self._preparing.values()):
+                self._wake.wait(timeout=0.005)
 
 
-def _seg_id(request_id: str, seg: int) -> str:
+def _segment_id(request_id: str, seg: int) -> str:
     return f"{request_id}#{seg}"
 
 
-def _row_id(seg_id: str) -> str:
-    return seg_id.rsplit("#", 1)[0]
+def _row_id(segment_id: str) -> str:
+    return segment_id.rsplit("#", 1)[0]

@@ -1,8 +1,9 @@
 """Flow (DiT) throughput of the packed codec runner, random weights.
 
-Measures, for the flow part of the codec stage:
-- full passes (whole responses, full attention) versus packed size: frames/s and achieved
-  TFLOP/s, eager and optionally under torch.compile;
+Measures, for the flow part of the codec stage, per variant (``--variants``: eager, graphs =
+one captured Euler step per layout bucket, compiled = torch.compile'd block math, eager):
+- full passes (whole responses, full attention) versus packed size: frames/s, achieved
+  TFLOP/s and host milliseconds per 10-step solve (time until the work is queued);
 - streaming with exact prefix reuse (hops 25/50/100 + prompt pad, all rows in lock step, one
   call per hop) against the same rows without reuse (the official recompute) and against one
   full pass: flow work (FLOPs and GPU time) per output second, final hop excluded.
@@ -10,7 +11,7 @@ Measures, for the flow part of the codec stage:
 FLOPs are counted from the config (2 per multiply-add): per processed token the linear/conv
 work of one DiT pass, plus 4 * inner * depth per attended (query, key) pair, times the Euler
 steps; CFG rows count as tokens. Example:
-  python scripts/bench_codec.py --size full --device cuda --dtype bf16 --compile both --json out.json
+  python scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs --json out.json
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
 from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
 from cosybatch.config import FlowConfig  # noqa: E402
 from cosybatch.models.flow import CausalMaskedDiffWithDiT  # noqa: E402
-from cosybatch.reference.token2wav import PromptTensors  # noqa: E402
+from cosybatch.prompt import PromptFeatures  # noqa: E402
 
 FRAMES_PER_SECOND = 50
 
@@ -71,10 +72,10 @@ def make_rows(cfg, n_rows, prompt_tokens, target_tokens, device, seed=0):
     rows = []
     for i in range(n_rows):
         p = prompt_tokens
-        prompt = PromptTensors(
-            torch.randint(0, cfg.vocab_size, (1, p), generator=g).to(device),
-            torch.randn(1, 2 * p, cfg.output_size, generator=g).to(device),
+        prompt = PromptFeatures(
+            torch.randint(0, cfg.vocab_size, (p,), generator=g).to(device),
             torch.randn(1, cfg.spk_embed_dim, generator=g).to(device),
+            torch.randn(1, 2 * p, cfg.output_size, generator=g).to(device),
         )
         rows.append((prompt, torch.randint(0, cfg.vocab_size, (target_tokens,), generator=g)))
     return rows
@@ -86,40 +87,44 @@ def sync(device):
 
 
 def timed_call(runner, jobs, device):
+    """(GPU-inclusive seconds, host seconds until the work was queued, stats before, after)."""
     before = dict(runner.stats)
     sync(device)
     t0 = time.perf_counter()
     runner.run(jobs)
+    host = time.perf_counter() - t0
     sync(device)
-    return time.perf_counter() - t0, before, dict(runner.stats)
+    return time.perf_counter() - t0, host, before, dict(runner.stats)
 
 
 def bench_full(runner, cfg, rows, device, reps, tag):
     jobs = [FlowJob(("full", tag, i), tok, pr) for i, (pr, tok) in enumerate(rows)]
-    runner.run(jobs)  # warm-up (allocator, autotuning, compilation)
-    secs, flops, toks, outs = 0.0, 0.0, 0, 0
+    runner.run(jobs)  # warm-up (allocator, autotuning, compilation, graph capture)
+    secs, host, flops, toks, outs = 0.0, 0.0, 0.0, 0, 0
     for _ in range(reps):
-        dt, b, a = timed_call(runner, jobs, device)
+        dt, h, b, a = timed_call(runner, jobs, device)
         f, t, o = work(cfg, b, a)
-        secs, flops, toks, outs = secs + dt, flops + f, toks + t, outs + o
-    return {"seconds": secs / reps, "flops": flops / reps, "tokens": toks // reps, "output_frames": outs // reps}
+        secs, host, flops, toks, outs = secs + dt, host + h, flops + f, toks + t, outs + o
+    return {"seconds": secs / reps, "host_ms_per_solve": host / reps * 1e3, "flops": flops / reps,
+            "tokens": toks // reps, "output_frames": outs // reps}
 
 
 def bench_stream(runner, cfg, rows, device, tag):
     """All rows stream in lock step; returns totals for non-final hops and for final hops."""
-    plans = [(i, pr, tok, plan_segment(HopSchedule(), pr.speech_tokens.shape[1], tok.numel())) for i, (pr, tok) in enumerate(rows)]
-    res = {"hops": {"seconds": 0.0, "flops": 0.0, "tokens": 0, "output_frames": 0, "calls": 0},
-           "final": {"seconds": 0.0, "flops": 0.0, "tokens": 0, "output_frames": 0, "calls": 0}}
+    plans = [(i, pr, tok, plan_segment(HopSchedule(), pr.speech_tokens.shape[0], tok.numel())) for i, (pr, tok) in enumerate(rows)]
+    res = {k: {"seconds": 0.0, "host_s": 0.0, "flops": 0.0, "tokens": 0, "output_frames": 0, "calls": 0}
+           for k in ("hops", "final")}
     for hop in range(max(len(c) for *_, c in plans)):
         jobs = [FlowJob((tag, i), tok, pr, c[hop]) for i, pr, tok, c in plans if hop < len(c)]
         for final in (False, True):
             part = [j for j in jobs if j.chunk.finalize == final]
             if not part:
                 continue
-            dt, b, a = timed_call(runner, part, device)
+            dt, h, b, a = timed_call(runner, part, device)
             f, t, o = work(cfg, b, a)
             r = res["final" if final else "hops"]
             r["seconds"] += dt
+            r["host_s"] += h
             r["flops"] += f
             r["tokens"] += t
             r["output_frames"] += o
@@ -185,24 +190,32 @@ def _guard(what, fn, *a):
         return None
 
 
+def graph_stats(runner) -> dict:
+    return runner.graphs.stats.as_dict() if runner.graphs is not None else {}
+
+
 def section_full(runner, cfg, args, n, label, results):
     rows = make_rows(cfg, n, args.full_prompt, args.full_target, args.device, seed=n)
     r = bench_full(runner, cfg, rows, args.device, args.reps, n)
-    r.update(mode=label, jobs=n, backend=runner.backend.name)
+    r.update(mode=label, jobs=n, backend=runner.backend.name, graphs=graph_stats(runner))
     r["tflops"] = r["flops"] / r["seconds"] / 1e12
     r["tokens_per_s"] = r["tokens"] / r["seconds"]
     r["audio_s_per_s"] = r["output_frames"] / FRAMES_PER_SECOND / r["seconds"]
     results["full"].append(r)
+    g = r["graphs"]
     print(f"full   {label:8s} jobs={n:4d} tokens={r['tokens']:6d} {r['seconds'] * 1e3:8.1f} ms "
-          f"{r['tokens_per_s'] / 1e3:8.1f} k tok/s {r['tflops']:6.1f} TFLOP/s {r['audio_s_per_s']:7.1f} audio-s/s", flush=True)
+          f"{r['tokens_per_s'] / 1e3:8.1f} k tok/s {r['tflops']:6.1f} TFLOP/s {r['audio_s_per_s']:7.1f} audio-s/s "
+          f"host {r['host_ms_per_solve']:6.2f} ms/solve"
+          + (f" graph hit {g['hit_rate']:.2f} pool {g['pool_bytes'] / 2**20:.0f} MB" if g else ""), flush=True)
 
 
 def section_stream(runner, flow, cfg, dtype, budget, args, label, compiled, results):
+    """Streaming hops with prefix reuse (and, for the eager variant, the recompute baseline)."""
     rows = make_rows(cfg, args.stream_rows, args.prompt_tokens, args.target_tokens, args.device, seed=7)
     full = bench_full(runner, cfg, rows, args.device, 1, "stream-base")
     bench_stream(runner, cfg, rows, args.device, "warm")  # warm-up: shapes, allocator, compile
     variants = [("reuse", runner)]
-    if not args.no_baseline and not compiled:
+    if not args.no_baseline and label == "eager":
         variants.append(("recompute", FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=0)))
     f_full, s_full = per_output_second(full)
     for name, rr in variants:
@@ -212,12 +225,13 @@ def section_stream(runner, flow, cfg, dtype, budget, args, label, compiled, resu
         entry = {"mode": label, "variant": name, "rows": args.stream_rows, "full_pass": full, **res,
                  "flop_ratio_vs_full": f_hop / f_full, "time_ratio_vs_full": s_hop / s_full,
                  "hop_tflops": hops["flops"] / hops["seconds"] / 1e12,
-                 "kv_cache_gb": rr.cache.allocated_bytes / 2**30}
+                 "host_ms_per_solve": hops["host_s"] / max(1, hops["calls"]) * 1e3,
+                 "kv_cache_gb": rr.cache.allocated_bytes / 2**30, "graphs": graph_stats(rr)}
         results["stream"].append(entry)
         print(f"stream {label:8s} {name:9s} rows={args.stream_rows} hops: {hops['calls']} calls {hops['seconds'] * 1e3:8.1f} ms "
-              f"{entry['hop_tflops']:6.1f} TFLOP/s; per output s vs full pass: work x{entry['flop_ratio_vs_full']:.3f}, "
-              f"time x{entry['time_ratio_vs_full']:.3f}; final hops {res['final']['seconds'] * 1e3:.1f} ms; "
-              f"K/V arena {entry['kv_cache_gb']:.1f} GiB", flush=True)
+              f"{entry['hop_tflops']:6.1f} TFLOP/s host {entry['host_ms_per_solve']:.2f} ms/solve; per output s vs full "
+              f"pass: work x{entry['flop_ratio_vs_full']:.3f}, time x{entry['time_ratio_vs_full']:.3f}; final hops "
+              f"{res['final']['seconds'] * 1e3:.1f} ms; K/V arena {entry['kv_cache_gb']:.1f} GiB", flush=True)
 
 
 def main(argv=None):
@@ -226,7 +240,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--attention", default="auto")
-    ap.add_argument("--compile", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--variants", default="eager,graphs", help="comma list of eager, graphs, compiled")
     ap.add_argument("--full-jobs", default="16,32,64", help="packed full-pass sizes, in jobs of --full-prompt + --full-target tokens")
     ap.add_argument("--full-prompt", type=int, default=125)
     ap.add_argument("--full-target", type=int, default=125)
@@ -237,7 +251,6 @@ def main(argv=None):
     ap.add_argument("--prefix-budget-gb", type=float, default=64.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the streaming run without reuse")
     ap.add_argument("--profile", type=int, default=0, help="profile one eager full pass of this many jobs (top kernels)")
-    ap.add_argument("--stream-compiled", action="store_true", help="also time streaming with the compiled runner")
     ap.add_argument("--conv", action="store_true", help="time the position convs: NCL conv1d vs the channels-last form")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -249,7 +262,7 @@ def main(argv=None):
     flow = build_flow(args.size, args.device)
     cfg = flow.cfg
     budget = int(args.prefix_budget_gb * (1 << 30))
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    variants = [v for v in args.variants.split(",") if v]
     results = {"args": vars(args), "token_gflop": token_flops(cfg) / 1e9, "full": [], "stream": []}
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
@@ -259,14 +272,14 @@ def main(argv=None):
         _guard("conv", bench_conv, flow, dtype, args)
     if args.profile:
         _guard("profile", profile_full, flow, cfg, dtype, args, budget)
-    for compiled in modes:
+    for label in variants:
         t0 = time.perf_counter()
-        label = "compiled" if compiled else "eager"
-        runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled)
+        compiled = label == "compiled"
+        runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled,
+                            graphs=label == "graphs", graph_capacity=64)
         for n in [int(x) for x in args.full_jobs.split(",") if x]:
             _guard(f"full {label} {n}", section_full, runner, cfg, args, n, label, results)
-        if not compiled or args.stream_compiled:
-            _guard(f"stream {label}", section_stream, runner, flow, cfg, dtype, budget, args, label, compiled, results)
+        _guard(f"stream {label}", section_stream, runner, flow, cfg, dtype, budget, args, label, compiled, results)
         print(f"# {label} section took {time.perf_counter() - t0:.1f} s", flush=True)
         if args.json:  # after every section, so a run cut short still leaves its figures
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))

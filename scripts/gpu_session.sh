@@ -1,40 +1,63 @@
 #!/usr/bin/env bash
-# One H200 lease: carried wheels, a full-size random checkpoint, the EN1088-shaped workload,
-# the GPU tests and the target benchmarks. Results land in $OUT (or /tmp/cosybatch-out).
-#   scripts/gpu_session.sh [tests|profile|synth|all]
+# One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
+# EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
+#   scripts/gpu_session.sh STEP [STEP ...]
+# steps: tests codec hift frontend c32 c64 c64seed full synth devices quick
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cosybatch-out}; mkdir -p "$OUT"
-what=${1:-all}
-if ! python3 -c "import soundfile" 2>/dev/null; then
+if ! python3 -c "import soundfile" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-CB="python3 -m cosybatch.cli"
+CB="python3 -m cosybatch"
 CKPT=/tmp/ckpt-full
-[ -f $CKPT/llm.pt ] || $CB make-checkpoint $CKPT --size full --seed 0 >/dev/null || exit 1
 WL=/tmp/en1088
-python3 scripts/make_workload.py --out $WL > "$OUT/workload.json" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
-if [[ $what == tests || $what == all ]]; then
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-fi
-prof() {  # name concurrency prompts warmups [extra...]
-  local p=$1 c=$2 n=$3 w=$4; shift 4
-  timeout 110 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
-    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" 2>&1 | tail -26 | tee -a "$OUT/profile.txt"
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
+setup() {
+  [ -f $CKPT/llm.pt ] || { log "make-checkpoint full"; ( time $CB make-checkpoint $CKPT --size full --seed 0 ) 2>&1 | tail -4 | tee -a "$OUT/session.log"; }
+  [ -f $WL/meta.lst ] || python3 scripts/make_workload.py --out $WL > "$OUT/workload.json" || exit 1
+  [ -f "$OUT/gpu.txt" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 }
-if [[ $what == profile || $what == all ]]; then
-  prof packed_streaming_optimized_standard 32 512 32
-  prof packed_streaming_optimized_standard 64 768 64 --set ar.max_num_seqs=64 --set codec.max_num_seqs=64
-  prof default 256 1024 64
-fi
-if [[ $what == synth || $what == all ]]; then
-  head -n 512 $WL/meta.lst > $WL/synth512.lst
-  ( time timeout 120 $CB synth $WL/synth512.lst --model $CKPT --out /tmp/synth-out --device cuda --quiet ) 2>&1 | tail -5 | tee "$OUT/synth.txt"
-  python3 - <<'PY' | tee -a "$OUT/synth.txt"
-import json; t = json.load(open("/tmp/synth-out/timing.json")); print(json.dumps(t.get("totals", t.get("summary", {})), indent=1))
+prof() {  # tag profile concurrency prompts warmups [extra...]
+  local tag=$1 p=$2 c=$3 n=$4 w=$5; shift 5
+  log "profile $tag: $p C$c N$n W$w $*"
+  timeout 300 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
+    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" > "$OUT/profile-$tag.txt" 2>&1
+  echo "rc=$?" >> "$OUT/profile-$tag.txt"; tail -40 "$OUT/profile-$tag.txt"
+}
+for step in "$@"; do
+  case $step in
+    tests) setup; log "pytest -m gpu"
+      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip" "$OUT/gpu_tests.txt" | tail -30 ;;
+    codec) log "bench_codec"
+      timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
+        --full-jobs 32,64 --stream-rows 32 --reps 2 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
+    hift) log "bench_hift"
+      timeout 300 python3 scripts/bench_hift.py --json "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
+    frontend) setup; log "bench_frontend"
+      timeout 300 python3 scripts/bench_frontend.py --model $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
+    quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
+    c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
+    c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
+    c64) setup; prof c64 packed_streaming_c64 64 1088 64 ;;
+    full) setup; prof full256 default 256 1088 64 ;;
+    synth) setup; log "synth default --force-length 1088 rows"
+      rm -rf /tmp/synth-out
+      ( time timeout 400 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-out --device cuda --force-length --quiet ) \
+        > "$OUT/synth.txt" 2>&1; echo "rc=$?" >> "$OUT/synth.txt"; tail -5 "$OUT/synth.txt"
+      python3 - <<'PY' | tee -a "$OUT/synth.txt"
+import json; t = json.load(open("/tmp/synth-out/timing.json"))["totals"]; print(json.dumps(t, indent=1))
 PY
-fi
+      cp /tmp/synth-out/timing.json "$OUT/synth-timing.json" ;;
+    devices) setup; log "synth --devices all vs --devices 1 (one GPU)"
+      head -n 257 $WL/meta.lst > $WL/m256.lst
+      for d in 1 all; do rm -rf /tmp/dev-$d
+        ( time timeout 200 $CB synth $WL/m256.lst --model $CKPT --out /tmp/dev-$d --device cuda --devices $d --force-length --quiet ) \
+          > "$OUT/devices-$d.txt" 2>&1; echo "rc=$?" >> "$OUT/devices-$d.txt"; tail -4 "$OUT/devices-$d.txt"; done
+      python3 scripts/compare_outputs.py /tmp/dev-1 /tmp/dev-all 2>&1 | tee "$OUT/devices-compare.txt" | tail -5 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

@@ -18,7 +18,8 @@ from cosybatch.codec.flow_runner import FlowJob, FlowRunner
 from cosybatch.codec.hops import HopSchedule, plan_segment
 from cosybatch.config import DiTConfig, FlowConfig
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
-from cosybatch.reference.token2wav import PromptTensors, flow_chunk, flow_full
+from cosybatch.prompt import PromptFeatures
+from cosybatch.reference.token2wav import flow_chunk, flow_full
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +42,10 @@ def setup():
     g = torch.Generator().manual_seed(1)
     rows = []
     for i, (p, n) in enumerate([(80, 300), (65, 217), (50, 160), (71, 90)]):
-        prompt = PromptTensors(
-            torch.randint(0, cfg.vocab_size, (1, p), generator=g).to(DEVICE),
-            torch.randn(1, 2 * p, cfg.output_size, generator=g).to(DEVICE),
+        prompt = PromptFeatures(
+            torch.randint(0, cfg.vocab_size, (p,), generator=g).to(DEVICE),
             torch.randn(1, cfg.spk_embed_dim, generator=g).to(DEVICE),
+            torch.randn(1, 2 * p, cfg.output_size, generator=g).to(DEVICE),
         )
         tokens = torch.randint(0, cfg.vocab_size, (n,), generator=g)
         rows.append((f"r{i}", prompt, tokens, plan_segment(HopSchedule(), p, n)))
@@ -77,7 +78,7 @@ def test_fp32_packed_matches_reference_on_gpu(setup):
     runner = FlowRunner(flow, attention="sdpa")
     for job, out, want in _run_all(runner, rows, flow):
         err = (out - want).abs().max().item()
-        assert out.shape == want.shape and err <= FP32_TOL, (job.request_id, job.chunk, err)
+        assert out.shape == want.shape and err <= FP32_TOL, (job.segment_id, job.chunk, err)
     assert runner.stats["cached_tokens"] > 0
 
 
@@ -104,3 +105,68 @@ def test_bf16_varlen_equals_sdpa_and_reuse_equals_recompute(setup):
     reuse = max(_rel_rms(x[1], y[1]) for x, y in zip(a, c))
     print(f"bf16 varlen vs sdpa rel RMS {kernels:.2e}; reuse vs recompute rel RMS {reuse:.2e}")
     assert kernels <= 5e-3 and reuse <= 5e-3
+
+
+# --------------------------------------------------------------------------- captured Euler steps
+
+
+class _NoCapture:
+    """Every capture fails: each bucket then runs the same step eagerly on the same buffers."""
+
+    def __call__(self, fn):
+        raise RuntimeError("capture disabled for this comparison")
+
+
+def test_graph_replay_is_bit_equal_to_eager_on_the_same_bucket(setup):
+    flow, rows = setup
+    graphed = FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True)
+    eager = FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True, capture=_NoCapture())
+    a, b = _run_all(graphed, rows), _run_all(eager, rows)
+    assert all(torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    ga, gb = graphed.graphs.stats, eager.graphs.stats
+    print(f"graphs: {ga.as_dict()}")
+    assert ga.replays == ga.steps > 0 and gb.replays == 0 and gb.eager_steps == gb.steps
+
+
+def test_bf16_graphed_within_bound_of_unpadded_eager(setup):
+    flow, rows = setup
+    a = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True), rows)
+    b = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto"), rows)
+    worst = max(_rel_rms(x[1], y[1]) for x, y in zip(a, b))
+    print(f"bf16 graphed (padded buckets) vs unpadded eager: worst rel RMS {worst:.2e}")
+    assert worst <= 5e-3  # GEMMs over padded shapes round differently in bf16; padding itself is inert
+
+
+def test_a_row_alone_equals_the_row_packed_with_others(setup):
+    flow, rows = setup
+    name, pr, tok, _ = rows[0]
+    runner = FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True)
+    (alone,) = runner.run([FlowJob("alone", tok, pr)])
+    packed = runner.run([FlowJob(f"p{i}", t, p) for i, (_, p, t, _) in enumerate(rows)])
+    err = _rel_rms(packed[0], alone)
+    print(f"row alone vs packed with {len(rows) - 1} others: rel RMS {err:.2e}")
+    assert err <= 5e-3
+
+
+def test_capture_failure_and_eviction_keep_requests_correct(setup):
+    from cosybatch.codec.flow_graphs import CudaCapture
+
+    flow, rows = setup
+    real = CudaCapture()
+    calls = {"n": 0}
+
+    def flaky(fn):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("injected capture failure")
+        return real(fn)
+
+    runner = FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True, graph_capacity=2, capture=flaky)
+    ref = FlowRunner(flow, dtype=torch.bfloat16, attention="auto")
+    for i, (name, pr, tok, _) in enumerate(rows[:3]):  # three full responses of different buckets
+        (got,) = runner.run([FlowJob(f"g{i}", tok, pr)])
+        (want,) = ref.run([FlowJob(f"r{i}", tok, pr)])
+        assert _rel_rms(got, want) <= 5e-3
+    st = runner.graphs.stats
+    assert st.failures == 1 and st.captures >= 2 and st.evictions >= 1, st.as_dict()
+    torch.randn(4, device=DEVICE)  # the CUDA RNG still works after a failed capture

@@ -1,199 +1,150 @@
-"""Attention over packed rows, one interface, several kernels.
+"""Attention over packed rows: one interface, several kernels.
 
-The packer (``packing.py``) cuts every row into *sub-sequences* whose queries all see the
-same keys: a chunk of a chunk-causal row sees its row's frames ``[0, chunk_end)``, a
-full-attention row sees all of its frames. So no kernel needs an intra-sequence mask, only
-"these queries against that key range". Sub-sequences are grouped into *launches*: one
-launch reads one key tensor, its queries are a contiguous slice of the packed queries, and
-its query bound is the longest real query run in it (the chunk length for streaming hops,
-not the key width).
+The packer (``packing.py``) describes a launch as sub-sequences: query tokens
+``q[q0:q0+ql]`` see keys ``k[k0:k0+kl]`` of one key tensor, where key ranges of different
+sub-sequences may overlap (every chunk of a chunk-causal row sees its row's prefix). No kernel
+needs an intra-sequence mask. Metadata is prepared once per call (``prepare``); ``run`` takes
+a device scalar ``key_base`` added to every key start, which is how one captured Euler step
+serves every (step, layer) slot of the prefix-cache arena (design.md D16). Tokens outside the
+launch's sub-sequences get zeros.
 
 Backends:
-- ``sdpa``: gathers each launch into a padded batch with a key-padding mask and calls
+- ``sdpa``: gathers each sub-sequence into a padded batch with a key-padding mask and calls
   ``scaled_dot_product_attention``. Works everywhere (the CPU default, the reference).
-- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA only, torch >= 2.10).
-- ``flash``: ``flash_attn.flash_attn_varlen_func`` when the package is importable.
-The two varlen kernels read keys straight from the source tensor (the prefix-cache arena
-included): key ranges not used by a launch are covered by dummy sequences with no queries,
-so nothing is copied.
+- ``varlen``: PyTorch's FlashAttention-2 varlen kernel (``aten._flash_attention_forward``,
+  CUDA) with a key start and a used key count per sequence, reading keys in place.
+- ``flash``: the ``flash_attn`` package's varlen kernel, where it is installed and takes a
+  used key count per sequence.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from cosybatch.hostcopy import h2d
+from cosybatch.codec.packing import SubSeqs, varlen_offsets
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Sub-sequences sharing one key tensor; queries are ``packed[q_start:q_end]`` back to back."""
+@dataclass
+class LaunchMeta:
+    """A launch's device metadata; for graphs its tensors are the static inputs."""
 
-    source: tuple  # opaque key-tensor id, chosen by the packer
-    q_start: int
-    q_end: int
-    q_lens: tuple[int, ...]
-    k_offs: tuple[int, ...]  # ascending, ranges disjoint
-    k_lens: tuple[int, ...]
-
-    @property
-    def max_q(self) -> int:
-        return max(self.q_lens)
-
-    @property
-    def max_k(self) -> int:
-        return max(self.k_lens)
+    tensors: dict[str, torch.Tensor]
+    max_q: int
+    max_k: int
+    n_seqs: int
 
 
 class SdpaBackend:
     name = "sdpa"
+    bucketable = False  # its padded shapes follow the keys' extent: a fixed bucket would gather far too many
 
-    def prepare(self, launch: Launch, n_keys: int, device) -> dict:
-        s, qm, km = len(launch.q_lens), launch.max_q, launch.max_k
-        q_idx = torch.zeros(s, qm, dtype=torch.long)
-        k_idx = torch.zeros(s, km, dtype=torch.long)
-        q_valid = torch.zeros(s, qm, dtype=torch.bool)
-        k_valid = torch.zeros(s, km, dtype=torch.bool)
-        q0 = 0
-        for i, (ql, ko, kl) in enumerate(zip(launch.q_lens, launch.k_offs, launch.k_lens)):
-            q_idx[i, :ql] = torch.arange(q0, q0 + ql)
-            q_valid[i, :ql] = True
-            k_idx[i, :kl] = torch.arange(ko, ko + kl)
-            k_valid[i, :kl] = True
-            q0 += ql
-        return {
-            "q_idx": q_idx.to(device),
-            "q_sel": q_valid.flatten().nonzero().flatten().to(device),  # host-side: no sync in run
-            "k_idx": k_idx.to(device),
-            "mask": k_valid[:, None, None, :].to(device),  # padded keys never seen; padded queries discarded
-        }
+    def prepare(self, seqs: SubSeqs, n_tokens: int, device, n_seqs: int | None = None, max_q: int | None = None,
+                max_k: int | None = None) -> LaunchMeta:
+        """Real sub-sequences only (empty ones dropped); padded to ``n_seqs`` rows x ``max_q`` queries
+        x ``max_k`` keys with masks, so a graph bucket's shapes stay fixed."""
+        keep = seqs.q_len > 0
+        q0, ql, k0, kl = seqs.q_start[keep], seqs.q_len[keep], seqs.k_start[keep], seqs.k_len[keep]
+        s = len(q0) if n_seqs is None else n_seqs
+        mq = max(1, int(ql.max()) if len(ql) else 1) if max_q is None else max_q
+        mk = max(1, int(kl.max()) if len(kl) else 1) if max_k is None else max_k
+        if len(q0) > s or (len(ql) and (ql.max() > mq or kl.max() > mk)):
+            raise ValueError("sub-sequences exceed the launch's bucket")
+        ar_q, ar_k = np.arange(mq), np.arange(mk)
+        q_idx = np.full((s, mq), n_tokens, dtype=np.int64)  # index n_tokens = a scratch row
+        q_idx[: len(q0)] = np.where(ar_q[None] < ql[:, None], q0[:, None] + ar_q[None], n_tokens)
+        k_rel = np.zeros((s, mk), dtype=np.int64)
+        k_rel[: len(k0)] = k0[:, None] + np.minimum(ar_k[None], np.maximum(kl[:, None] - 1, 0))
+        k_valid = np.zeros((s, mk), dtype=bool)
+        k_valid[: len(kl)] = ar_k[None] < kl[:, None]
+        k_valid[:, 0] = True  # padded rows see one (discarded) key, so softmax stays finite
+        t = {"q_idx": h2d(torch.from_numpy(q_idx), device=device), "k_rel": h2d(torch.from_numpy(k_rel), device=device),
+             "mask": h2d(torch.from_numpy(k_valid), device=device)[:, None, None, :]}
+        return LaunchMeta(t, mq, mk, s)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: dict) -> torch.Tensor:
-        qp, kp, vp = q[prep["q_idx"]], k[prep["k_idx"]], v[prep["k_idx"]]  # [S, L, H, Dh]
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=prep["mask"])
-        # Sub-sequences are back to back, so the valid rows in order are the packed order.
-        return o.transpose(1, 2).flatten(0, 1).index_select(0, prep["q_sel"])
-
-
-def _cu_with_gaps(launch: Launch, n_keys: int) -> tuple[list[int], list[int]]:
-    """Cumulative query/key offsets where every key not in a sub-sequence belongs to a
-    query-less dummy sequence, so the kernel can index the source tensor in place."""
-    cu_q, cu_k = [0], [0]
-    cursor = 0
-    for ql, ko, kl in zip(launch.q_lens, launch.k_offs, launch.k_lens):
-        if ko < cursor:
-            raise ValueError("launch key ranges must be ascending and disjoint")
-        if ko > cursor:
-            cu_q.append(cu_q[-1])
-            cu_k.append(ko)
-        cu_q.append(cu_q[-1] + ql)
-        cu_k.append(ko + kl)
-        cursor = ko + kl
-    if cursor < n_keys:
-        cu_q.append(cu_q[-1])
-        cu_k.append(n_keys)
-    return cu_q, cu_k
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """Varlen kernels need unit stride on the head dim only; q/k/v views of the fused q/k/v
-    buffer (row stride 3*inner) are passed as they are."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+        t = meta.tensors
+        s, mq = t["q_idx"].shape
+        idx = (t["k_rel"] + key_base).flatten()
+        kp = k.index_select(0, idx).unflatten(0, (s, -1))  # [S, K, H, Dh]
+        vp = v.index_select(0, idx).unflatten(0, (s, -1))
+        qx = torch.cat((q, q.new_zeros((1,) + q.shape[1:])))  # row n_tokens: the scratch row
+        qp = qx.index_select(0, t["q_idx"].flatten()).unflatten(0, (s, mq))
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                           attn_mask=t["mask"])
+        out = torch.zeros_like(qx)
+        out.index_copy_(0, t["q_idx"].flatten(), o.transpose(1, 2).flatten(0, 1))  # padding lands on the scratch row
+        return out[:-1]
 
 
 class _VarlenBase:
-    def prepare(self, launch: Launch, n_keys: int, device) -> dict:
-        cu_q, cu_k = _cu_with_gaps(launch, n_keys)
-        return {
-            "cu_q": torch.tensor(cu_q, dtype=torch.int32, device=device),
-            "cu_k": torch.tensor(cu_k, dtype=torch.int32, device=device),
-            "max_q": launch.max_q,
-            "max_k": launch.max_k,
-        }
+    bucketable = True  # sequence counts and query bounds are all a graph bucket fixes
+
+    def prepare(self, seqs: SubSeqs, n_tokens: int, device, n_seqs: int | None = None, max_q: int | None = None,
+                max_k: int | None = None) -> LaunchMeta:
+        n = n_seqs if n_seqs is not None else 2 * len(seqs) + 1  # every gap can need a dummy
+        cu_q, k_start, k_used = varlen_offsets(seqs, n_tokens, n)
+        t = {"cu_q": h2d(torch.from_numpy(cu_q), device=device), "k_start": h2d(torch.from_numpy(k_start), device=device),
+             "k_used": h2d(torch.from_numpy(k_used), device=device)}
+        mq = max(1, seqs.max_q) if max_q is None else max_q
+        mk = max(1, seqs.max_k) if max_k is None else max_k
+        return LaunchMeta(t, mq, mk, n)
 
 
 class TorchVarlenBackend(_VarlenBase):
-    """torch's FlashAttention-2 varlen kernel. Called through the aten op when it accepts the
-    arguments (the public ``varlen_attn`` wrapper is a Python custom op whose dispatch cost
-    shows at hundreds of launches per Euler step); falls back to the wrapper, and to
-    contiguous inputs, if this torch build refuses."""
+    """torch's FlashAttention-2 varlen kernel through the aten op (its public wrapper lacks the
+    per-sequence used key count in torch 2.11)."""
 
     name = "varlen"
 
-    def __init__(self):
-        from torch.nn.attention.varlen import varlen_attn
-
-        self._public = varlen_attn
-        self._direct = True
-        self._strided = True
-
-    def _call(self, q, k, v, prep):
-        if self._direct:
-            try:
-                return torch.ops.aten._flash_attention_forward(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"], 0.0, False, False)[0]
-            except (RuntimeError, TypeError) as e:
-                log.warning("aten flash varlen call refused (%s); using torch.nn.attention.varlen", e)
-                self._direct = False
-        return self._public(q, k, v, prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"])
-
-    def run(self, q, k, v, prep):
-        if self._strided:
-            try:
-                return self._call(_rows(q), _rows(k), _rows(v), prep)
-            except RuntimeError as e:
-                log.warning("varlen kernel refused strided inputs (%s); copying them", e)
-                self._strided = False
-        return self._call(q.contiguous(), k.contiguous(), v.contiguous(), prep)
+    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+        t = meta.tensors
+        starts = t["k_start"] + key_base.to(torch.int32)
+        return torch.ops.aten._flash_attention_forward(q, k, v, t["cu_q"], starts, meta.max_q, meta.max_k, 0.0,
+                                                       False, False, seqused_k=t["k_used"])[0]
 
 
 class FlashAttnBackend(_VarlenBase):
     name = "flash"
 
     def __init__(self):
-        from flash_attn import flash_attn_varlen_func
-
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError as e:
+            raise ValueError("codec.attention=flash needs the flash-attn package (pip install flash-attn); "
+                             f"it is not importable here: {e}") from None
+        if "seqused_k" not in inspect.signature(flash_attn_varlen_func).parameters:
+            raise ValueError("codec.attention=flash: this flash-attn version has no seqused_k argument "
+                             "(overlapping key ranges); use codec.attention=varlen")
         self._fn = flash_attn_varlen_func
 
-    def run(self, q, k, v, prep):
-        return self._fn(_rows(q), _rows(k), _rows(v), prep["cu_q"], prep["cu_k"], prep["max_q"], prep["max_k"], causal=False)
+    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+        t = meta.tensors
+        starts = t["k_start"] + key_base.to(torch.int32)
+        return self._fn(q, k, v, t["cu_q"], starts, meta.max_q, meta.max_k, seqused_k=t["k_used"], causal=False)
 
 
-def _varlen_available() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def varlen_available(device) -> bool:
+    return torch.device(device).type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def _flash_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def make_backend(name: str, device) -> object:
-    """``auto`` picks flash-attn, then torch varlen on CUDA, and SDPA otherwise (CPU: SDPA)."""
-    cuda = torch.device(device).type == "cuda"
+def make_backend(name: str, device):
     if name == "auto":
-        if cuda and _flash_available():
-            name = "flash"
-        elif cuda and _varlen_available():
-            name = "varlen"
-        else:
-            name = "sdpa"
+        name = "varlen" if varlen_available(device) else "sdpa"
     if name == "sdpa":
         return SdpaBackend()
-    if not cuda:
-        raise ValueError(f"attention backend {name!r} needs a CUDA device")
     if name == "varlen":
+        if not varlen_available(device):
+            raise ValueError("codec.attention=varlen needs CUDA (FlashAttention-2 varlen kernel); use sdpa on CPU")
         return TorchVarlenBackend()
     if name == "flash":
         return FlashAttnBackend()
-    raise ValueError(f"unknown attention backend {name!r}; use auto, sdpa, varlen or flash")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa, varlen or flash")

@@ -1,55 +1,79 @@
-"""Packed flow solve: many requests' hops (and their CFG twins) in one DiT call per Euler step.
+"""Packed flow solve: many segments' hops (and their CFG twins) in one DiT call per Euler step.
 
 Each job gives exactly what ``reference.token2wav.flow_chunk`` / ``flow_full`` give for it:
 same conditioning (prompt ‖ tokens, look-ahead handling, prompt mel as cond, speaker), the
 official fixed noise at each frame's absolute position, the same cosine schedule and CFG, and
 the same attention mask (chunk-causal for streaming hops, full for whole responses and, by
-default, final hops: spec decision 4). Streaming rows reuse the K/V of complete chunks from
+default, final hops: design.md D4). Streaming segments reuse the K/V of complete chunks from
 their earlier hops (``prefix_cache.py``), so a hop runs the transformer on its new frames only.
+
+A solve is planned once on the host (``start``), then advanced one Euler step at a time
+(``FlowSolve.step``), so a scheduler can interleave its steps with other GPU work; on CUDA each
+step is one replay of a captured graph for the call's layout bucket (``flow_graphs.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Hashable
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from cosybatch.codec.attention import make_backend
-from cosybatch.codec.dit_step import ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional, block_weights, rotary_tables
+from cosybatch.hostcopy import h2d
+from cosybatch.codec.attention import LaunchMeta, make_backend
+from cosybatch.codec.config import CodecConfig
+from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional,
+                                      block_weights, rotary_tables)
+from cosybatch.codec.flow_conditioning import JobInputs, static_inputs
+from cosybatch.codec.flow_graphs import Capture, FlowGraphs
+from cosybatch.codec.flow_step import FlowTables, StepBuffers, euler_step
 from cosybatch.codec.hops import Chunk
-from cosybatch.codec.packing import POOL, SCRATCH, SELF, RowSpec, pack
+from cosybatch.codec.packing import FlowLayout, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
+from cosybatch.prompt import PromptFeatures
 
 DEFAULT_PREFIX_BUDGET = 4 << 30
 
 
-@dataclass
+@dataclass(eq=False)  # holds tensors: compared by identity
 class FlowJob:
     """One flow call: a streaming hop (``chunk``) or a whole response (``chunk=None``)."""
 
-    request_id: Hashable
-    tokens: torch.Tensor  # [N] long: the segment's flow tokens so far
-    prompt: object  # .speech_tokens [1, P] long, .mel [1, F, mel], .embedding [1, spk]
+    segment_id: Hashable  # one text segment of one row: the unit of streaming state
+    tokens: torch.Tensor  # [N] long: the segment's flow tokens so far (read on the host)
+    prompt: PromptFeatures  # speech_tokens read on the host; mel and embedding on any device
     chunk: Chunk | None = None
-    segment: int = 0
 
 
 @dataclass
-class _Plan:
+class _HopPlan:
     job: FlowJob
-    all_tokens: torch.Tensor  # prompt ‖ tokens[:end], on the device
+    tokens: np.ndarray  # prompt ‖ flow tokens[:end]
     finalize: bool
     frames: int
     out_start: int
-    chunk: int  # 0 = full attention
+    attn_chunk: int  # attention chunk in frames; 0 = full attention
+    end: int
     q_start: int = 0
     conv_start: int = 0
-    key: tuple | None = None  # cache key when the row's K/V are kept
-    end: int = 0
+    key: Hashable | None = None  # cache key when the segment's K/V are kept
+    record: tuple[int, int] | None = None  # frames whose trajectory the next hop's convs need
+
+
+def _geometric(n: int, quantum: int = 64) -> int:
+    """n rounded up to the next of quantum * 2**(k/4): buckets at most ~19 % larger than n."""
+    if n <= quantum:
+        return quantum
+    k = math.ceil(4 * math.log2(n / quantum) - 1e-9)
+    return int(math.ceil(quantum * 2 ** (k / 4) / quantum) * quantum)
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
 
 
 class FlowRunner:
@@ -61,66 +85,90 @@ class FlowRunner:
         prefix_budget_bytes: int = DEFAULT_PREFIX_BUDGET,
         chunk_causal_final: bool = False,
         compile: bool = False,
+        graphs: bool = False,
+        graph_capacity: int = 32,
+        capture: Capture | None = None,
         conv_channels_last: bool | None = None,
     ):
-        """``chunk_causal_final=True`` is an opt-in optimisation (spec decision 4): final hops keep
-        the chunk-causal mask and reuse the prefix instead of one full-attention recompute."""
+        """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
+        the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
+        ``graphs``: replay captured Euler steps per layout bucket (CUDA with a varlen attention
+        backend; ``capture`` injects the mechanism for tests)."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
         self.dtype = dtype or next(flow.parameters()).dtype
         est = flow.decoder.estimator
         self.dit = est if est.proj_out.weight.dtype == self.dtype else copy.deepcopy(est).to(self.dtype)
-        self.heads = self.cfg.dit.heads
-        self.inner = self.cfg.dit.heads * self.cfg.dit.dim_head
+        dit_cfg = self.cfg.dit
+        self.heads, self.inner = dit_cfg.heads, dit_cfg.heads * dit_cfg.dim_head
         self.backend = make_backend(attention, self.device)
         self.chunk_causal_final = chunk_causal_final
-        k = self.cfg.dit.conv_pos_kernel
+        k = dit_cfg.conv_pos_kernel
         self.conv_gap = k - 1  # zero frames between rows in the conv layout
         self.conv_margin = 2 * (k - 1)  # receptive field of the two causal convs
         self.n_steps = self.cfg.n_timesteps
-        self.cache = PrefixCache(self.n_steps, self.cfg.dit.depth, self.inner, self.dtype, self.device, prefix_budget_bytes)
+        self.cache = PrefixCache(self.n_steps, dit_cfg.depth, self.heads, self.inner, self.dtype, self.device,
+                                 prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
-        self._weights = block_weights(self.dit)
         if conv_channels_last is None:
             conv_channels_last = self.device.type == "cuda"
-        self._conv = ConvPositionEmbed(self.dit, conv_channels_last)
-        self._pre, self._post = block_pre, block_post
+        pre, post = block_pre, block_post
         if compile:
-            self._pre = torch.compile(block_pre_functional, dynamic=True)
-            self._post = torch.compile(block_post, dynamic=True)
-        # tokens: transformer rows run (CFG twins included); cached_tokens: rows reused instead;
-        # uncached_hops: streaming hops recomputed from frame 0 because the budget was full.
-        self.stats = {"calls": 0, "jobs": 0, "tokens": 0, "cached_tokens": 0, "attn_pairs": 0, "output_frames": 0, "uncached_hops": 0}
-        self._schedule()
+            pre = torch.compile(block_pre_functional, dynamic=True)
+            post = torch.compile(block_post, dynamic=True)
+        self.tables = self._tables(ConvPositionEmbed(self.dit, conv_channels_last), pre, post)
+        self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
+        self._arena_version = 0  # the prefix arena the captured steps point into
+        # tokens: transformer rows of real jobs (CFG twins included); padded_tokens: rows run
+        # including bucket padding; cached_tokens: rows reused instead; uncached_hops: streaming
+        # hops recomputed from frame 0 because the budget was full.
+        self.stats = {"calls": 0, "jobs": 0, "tokens": 0, "padded_tokens": 0, "cached_tokens": 0, "attn_pairs": 0,
+                      "output_frames": 0, "uncached_hops": 0}
+
+    @classmethod
+    def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
+        return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
+                   chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
+                   graph_capacity=cfg.flow_graph_capacity)
 
     # ------------------------------------------------------------------ setup
 
     @torch.inference_mode()
-    def _schedule(self) -> None:
+    def _tables(self, conv, pre, post) -> FlowTables:
         """Euler times exactly as the official solver accumulates them, and every modulation
         vector (they depend on t only, identical for all rows, so computed once)."""
         t_span = self.flow.decoder.t_span(self.n_steps, self.device, torch.float32)
         t, dt = t_span[0].unsqueeze(0), t_span[1] - t_span[0]
-        self.steps = []
+        mods, finals, dts = [], [], []
         for step in range(1, self.n_steps + 1):
             temb = self.dit.time_embed(t.to(self.dtype))  # [1, dim]
-            mods = [block_modulation(blk, temb) for blk in self.dit.transformer_blocks]
-            self.steps.append((dt.clone(), temb, mods))
+            mods.append(torch.stack([torch.stack(block_modulation(b, temb)) for b in self.dit.transformer_blocks]))
+            scale, shift = self.dit.norm_out.linear(torch.nn.functional.silu(temb)).chunk(2, dim=-1)
+            finals.append(torch.stack((1 + scale.reshape(-1), shift.reshape(-1))))
+            dts.append(dt.clone().reshape(1))
             t = t + dt
             if step < self.n_steps:
                 dt = t_span[step + 1] - t
+        dit = self.dit
+        return FlowTables(mods=torch.stack(mods), final=torch.stack(finals), dt=torch.cat(dts),
+                          cfg_rate=self.cfg.inference_cfg_rate, blocks=block_weights(dit),
+                          proj_in=(dit.input_embed.proj.weight, dit.input_embed.proj.bias),
+                          proj_out=(dit.proj_out.weight, dit.proj_out.bias), conv=conv, heads=self.heads,
+                          pre=pre, post=post)
 
-    def release(self, request_id: Hashable) -> None:
-        """Free every cached prefix of a request (call when it ends)."""
-        self.cache.release(request_id)
+    def _step(self, b: StepBuffers) -> None:
+        euler_step(b, self.tables, self.backend, self.cache if b.pool is not None else None)
+
+    def release(self, segment_id: Hashable) -> None:
+        """Free a segment's cached prefix (call when it ends)."""
+        self.cache.drop(segment_id)
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, job: FlowJob) -> _Plan:
+    def _plan(self, job: FlowJob) -> _HopPlan:
         cfg, r = self.cfg, self.cfg.token_mel_ratio
         tokens = job.tokens.reshape(-1)
-        prompt_tok = job.prompt.speech_tokens.reshape(-1).to(self.device)
         if job.chunk is None:
             end, finalize, offset, full = tokens.numel(), True, 0, True
         else:
@@ -128,23 +176,24 @@ class FlowRunner:
             full = finalize and not self.chunk_causal_final
         if end > tokens.numel():
             raise ValueError(f"chunk needs {end} tokens, job has {tokens.numel()}")
-        all_tokens = torch.cat((prompt_tok, tokens[:end].to(self.device, prompt_tok.dtype)))
-        n_mu = all_tokens.numel() - (0 if finalize else cfg.pre_lookahead_len)
-        frames = r * n_mu
+        prompt_tok = job.prompt.speech_tokens.reshape(-1).cpu().numpy()
+        all_tokens = np.concatenate((prompt_tok, tokens[:end].cpu().numpy())).astype(np.int64)
+        frames = r * (len(all_tokens) - (0 if finalize else cfg.pre_lookahead_len))
         n_prompt = job.prompt.mel.shape[1]
         if n_prompt > frames:
             raise ValueError(f"prompt mel ({n_prompt} frames) is longer than the flow input ({frames} frames)")
         if frames > self.noise.shape[0]:
             raise ValueError(f"{frames} mel frames exceed the CFM noise table ({self.noise.shape[0]})")
-        p = _Plan(job, all_tokens, finalize, frames, n_prompt + r * offset, 0 if full else cfg.dit.static_chunk_size, end=end)
+        p = _HopPlan(job, all_tokens, finalize, frames, n_prompt + r * offset, 0 if full else cfg.dit.static_chunk_size,
+                     end)
         if job.chunk is not None and not full:
             self._plan_cache(p, tokens[:end])
         elif job.chunk is not None:
-            self.cache.drop((job.request_id, job.segment))
+            self.cache.drop(job.segment_id)
         return p
 
-    def _plan_cache(self, p: _Plan, tokens: torch.Tensor) -> None:
-        key = (p.job.request_id, p.job.segment)
+    def _plan_cache(self, p: _HopPlan, tokens: torch.Tensor) -> None:
+        key = p.job.segment_id
         cpu = tokens.detach().cpu()
         st = self.cache.get(key)
         reuse = (
@@ -166,174 +215,198 @@ class FlowRunner:
         p.key = key
         p.q_start = st.complete
         p.conv_start = st.traj_start if st.complete else 0
-
-    # ------------------------------------------------------------------ conditioning
-
-    def _mu(self, p: _Plan, first_frame: int) -> torch.Tensor:
-        """mu frames [first_frame, frames) [n, mel] fp32, from a token window just wide enough
-        for the look-ahead layer's receptive field (earlier frames' mu never changes)."""
-        flow, r = self.flow, self.cfg.token_mel_ratio
-        layer = flow.pre_lookahead_layer
-        look = layer.conv1.kernel_size[0] - 1
-        left = layer.conv2.kernel_size[0] - 1
-        n_mu = p.frames // r
-        ta = first_frame // r
-        lo = max(0, ta - left)
-        emb = flow.input_embedding(p.all_tokens[lo : n_mu + look].long().clamp(min=0))  # [n, C]
-        e = emb.t().unsqueeze(0)
-        if p.finalize:
-            e = F.pad(e, (0, n_mu + look - lo - emb.shape[0]))  # official zero right padding
-        h = F.leaky_relu(layer.conv1(e))  # tokens [lo, n_mu)
-        h = layer.conv2(F.pad(h, (left - (ta - lo), 0)))  # tokens [ta, n_mu)
-        mu = h[0].t() + emb[ta - lo : n_mu - lo]
-        return mu.repeat_interleave(r, dim=0)[first_frame - r * ta :]
-
-    def _static_inputs(self, plans, lay) -> torch.Tensor:
-        """[cond ‖ mu ‖ spk] per conv-layout frame (zero for unconditional rows and padding)."""
-        mel = self.cfg.output_size
-        static = torch.zeros(lay.conv_len, 2 * mel + self.cfg.dit.spk_dim, device=self.device, dtype=self.dtype)
-        base = self.conv_gap
-        for p in plans:
-            n = p.frames - p.conv_start
-            prompt_mel = p.job.prompt.mel[0].to(self.device, torch.float32)
-            cond = torch.zeros(n, mel, device=self.device)
-            m = max(0, min(prompt_mel.shape[0], p.frames) - p.conv_start)
-            cond[:m] = prompt_mel[p.conv_start : p.conv_start + m]
-            spk = self.flow.speaker(p.job.prompt.embedding.to(self.device, torch.float32))
-            static[base : base + n] = torch.cat((cond, self._mu(p, p.conv_start), spk.expand(n, -1)), dim=1).to(self.dtype)
-            base += n + self.conv_gap
-        return static
+        if not p.finalize:
+            complete = p.frames // p.attn_chunk * p.attn_chunk
+            lo = max(p.q_start, complete - self.conv_margin)
+            p.record = (lo, complete)
 
     # ------------------------------------------------------------------ solve
 
     @torch.inference_mode()
+    def start(self, jobs: list[FlowJob]) -> "FlowSolve":
+        """Plan one packed call; step the returned solve ``n_steps`` times, then ``finish`` it."""
+        if not jobs:
+            raise ValueError("a flow solve needs at least one job")
+        keys = [j.segment_id for j in jobs if j.chunk is not None]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a segment may appear once per call")
+        plans = [self._plan(j) for j in jobs]
+        if self.graphs is not None and self.cache.version != self._arena_version:
+            self.graphs.clear()  # the arena grew and moved: captured steps hold its old address
+            self._arena_version = self.cache.version
+        rows = [RowSpec(p.frames, p.q_start, p.conv_start, p.attn_chunk,
+                        tuple(self.cache.get(p.key).regions) if p.key else None) for p in plans]
+        real = pack(rows, self.conv_gap)
+        if self.graphs is None or not self.backend.bucketable:
+            lay, sizes, key = real, None, None
+        else:
+            sizes = self._bucket(real, len(plans))
+            key = tuple(sorted(sizes.items()))
+            lay = pack(rows, self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
+        self._count(plans, real, lay)
+        fresh = self._inputs(plans, lay, sizes)
+        if key is None:
+            return FlowSolve(self, plans, lay, fresh, None, None)
+        entry = self.graphs.entry(key, lambda: fresh)
+        if entry.buffers is not fresh:
+            _copy_into(entry.buffers, fresh)
+        self.graphs.stats.solves += 1
+        return FlowSolve(self, plans, lay, entry.buffers, key, entry)
+
     def run(self, jobs: list[FlowJob]) -> list[torch.Tensor]:
         """New mel [1, mel, F] float32 per job, as the official recompute would produce it."""
         if not jobs:
             return []
-        keys = [(j.request_id, j.segment) for j in jobs if j.chunk is not None]
-        if len(set(keys)) != len(keys):
-            raise ValueError("a request segment may appear once per call")
-        plans = [self._plan(j) for j in jobs]
-        rows = [RowSpec(p.frames, p.q_start, p.conv_start, p.chunk, tuple(self.cache.get(p.key).regions) if p.key else None) for p in plans]
-        lay = pack(rows, self.conv_gap, self.device)
-        self._count(plans, lay)
-        x = torch.cat([self.noise[p.q_start : p.frames] for p in plans])  # [job tokens, mel] fp32
-        static = self._static_inputs(plans, lay)
-        margins = [self.cache.get(p.key).traj for p in plans if p.q_start > p.conv_start]
-        margin = torch.cat(margins, dim=1).to(self.dtype) if margins else None
-        record = self._record_index(plans, lay)
-        trace = []
-        # Rotary angles from the fp32 module: a bf16 copy of inv_freq would lose precision.
-        cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(lay.positions))
-        preps = [self.backend.prepare(ln, self._n_keys(ln.source, lay), self.device) for ln in lay.launches]
-        scratch = None
-        if lay.scratch_frames:
-            shape = (lay.scratch_frames, self.heads, self.inner // self.heads)
-            scratch = (torch.empty(shape, device=self.device, dtype=self.dtype), torch.empty(shape, device=self.device, dtype=self.dtype))
-        rate = self.cfg.inference_cfg_rate
-        valid = lay.conv_valid.to(self.dtype)
-        for s, (dt, temb, mods) in enumerate(self.steps):
-            if record is not None:
-                trace.append(x.index_select(0, record[0]))
-            xin = torch.zeros(lay.conv_len, self.cfg.output_size, device=self.device, dtype=self.dtype)
-            xin[lay.conv_of_row] = torch.cat((x, x)).to(self.dtype)
-            if margin is not None:
-                xin[lay.margin_conv] = torch.cat((margin[s], margin[s]))
-            h = self.dit.input_embed.proj(torch.cat((xin, static), dim=1)) * valid[:, None]
-            h = self._conv(h, valid)[lay.att_to_conv]
-            for layer, (m, (wpre, wpost)) in enumerate(zip(mods, self._weights)):
-                q, k, v = self._pre(h, m[0], m[1], *wpre, cos, sin, self.heads)
-                o = self._attend(q, k, v, s, layer, lay, preps, scratch)
-                h = self._post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
-            vel = self.dit.head(h, temb)[lay.row_to_att].float()
-            v_cond, v_uncond = vel.split(lay.job_tokens)
-            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
-        self._commit(plans, lay, trace, record)
-        outs = []
-        for j, p in enumerate(plans):
-            xj = x[lay.job_slice(j)]
-            outs.append(xj[p.out_start - p.q_start :].t().unsqueeze(0).contiguous())
-        return outs
+        solve = self.start(jobs)
+        solve.step(self.n_steps)
+        return solve.finish()
 
-    def _count(self, plans, lay) -> None:
+    def _bucket(self, lay: FlowLayout, n_jobs: int) -> dict:
+        """A graph bucket's sizes for a layout: padded so that buckets repeat across calls."""
+        jobs = _pow2(n_jobs)
+        stride = _geometric(lay.job_tokens)
+        margin = jobs * self.conv_margin  # a cached job's margin and records are < conv_margin frames
+        return {"stride": stride, "jobs": jobs, "margin": margin, "records": margin,
+                "conv_len": 2 * (jobs * self.conv_gap + stride + margin) + 1,
+                "pool_seqs": _pow2(2 * len(lay.pool) + 1, 4) if len(lay.pool) else 0,
+                "self_seqs": _pow2(2 * len(lay.self) + 1, 4) if len(lay.self) else 0,
+                "self_max_q": _pow2(lay.self.max_q, 64) if len(lay.self) else 0}
+
+    def _inputs(self, plans: list[_HopPlan], lay: FlowLayout, sizes: dict | None) -> StepBuffers:
+        dev, mel = self.device, self.cfg.output_size
+        stride = lay.stride
+        jobs = [JobInputs(p.tokens, p.frames, p.conv_start, p.finalize, p.job.prompt.mel[0], p.job.prompt.embedding)
+                for p in plans]
+        x = torch.zeros(stride, mel, device=dev)
+        real_pos = h2d(torch.from_numpy(lay.positions[: lay.job_tokens]), device=dev)
+        x[: lay.job_tokens] = self.noise.index_select(0, real_pos)
+        t = lambda a: h2d(torch.from_numpy(np.ascontiguousarray(a)), device=dev)  # noqa: E731
+        # Rotary angles from the fp32 module: a bf16 copy of inv_freq would lose precision.
+        cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(t(lay.positions)))
+        has_pool, has_self = len(lay.pool) > 0, len(lay.self) > 0
+        if has_pool:
+            self.cache.ensure_arena()
+        n_att = lay.tokens
+        pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
+        self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        slots = np.where(lay.pool_slots >= 0, lay.pool_slots, self.cache.dump)
+        b = StepBuffers(x=x, step=torch.zeros(1, dtype=torch.long, device=dev),
+                        static=static_inputs(self.flow, jobs, lay, self.dtype, dev), valid=t(lay.conv_valid),
+                        conv_of_token=t(lay.conv_of_token), cos=cos, sin=sin, pool_slots=t(slots),
+                        pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_)
+        cached = [p for p in plans if p.q_start > p.conv_start]
+        if lay.margin:
+            margin = torch.zeros(self.n_steps, lay.margin, mel, device=dev, dtype=self.dtype)
+            if cached:
+                parts = [self.cache.get(p.key).traj[:, p.conv_start - self.cache.get(p.key).traj_start:
+                                                    p.q_start - self.cache.get(p.key).traj_start] for p in cached]
+                got = torch.cat(parts, dim=1)
+                margin[:, : got.shape[1]] = got.to(self.dtype)
+            b.margin, b.margin_conv = margin, t(lay.margin_conv.reshape(-1))
+        n_rec = sizes["records"] if sizes else sum(p.record[1] - p.record[0] for p in plans if p.record)
+        if n_rec:
+            idx = np.zeros(n_rec, dtype=np.int64)
+            spans = []
+            at = 0
+            for j, p in enumerate(plans):
+                if p.record is None:
+                    continue
+                lo, hi = p.record
+                base = lay.job_offsets[j] - p.q_start
+                idx[at : at + hi - lo] = np.arange(base + lo, base + hi)
+                spans.append((j, at, at + hi - lo))
+                at += hi - lo
+            b.record_idx = t(idx)
+            b.traj = torch.zeros(self.n_steps, n_rec, mel, device=dev)
+            b.extra["record_spans"] = spans
+        return b
+
+    def _launch_sizes(self, sizes: dict | None, kind: str) -> tuple:
+        if sizes is None:
+            return (None, None, None)
+        max_q = self.cfg.dit.static_chunk_size if kind == "pool" else sizes["self_max_q"]
+        return (sizes[f"{kind}_seqs"], max_q, self.noise.shape[0])
+
+    def _count(self, plans: list[_HopPlan], real: FlowLayout, lay: FlowLayout) -> None:
         """Work done per call (one Euler step, CFG rows included), for benchmarks and tests."""
         st = self.stats
         st["calls"] += 1
         st["jobs"] += len(plans)
-        st["tokens"] += lay.tokens
+        st["tokens"] += real.tokens
+        st["padded_tokens"] += lay.tokens
         st["cached_tokens"] += 2 * sum(p.q_start for p in plans)
-        st["attn_pairs"] += sum(q * k for ln in lay.launches for q, k in zip(ln.q_lens, ln.k_lens))
+        st["attn_pairs"] += real.pool.pairs + real.self.pairs
         st["output_frames"] += sum(p.frames - p.out_start for p in plans)
-
-    def _n_keys(self, source: tuple, lay) -> int:
-        if source[0] == SELF:
-            return lay.tokens
-        if source[0] == SCRATCH:
-            return lay.scratch_frames
-        return self.cache.slabs[source[1]].k.shape[2]
-
-    def _attend(self, q, k, v, step, layer, lay, preps, scratch):
-        if scratch is not None:
-            a, b = lay.scratch_span
-            scratch[0].index_copy_(0, lay.scratch_slots, k[a:b])
-            scratch[1].index_copy_(0, lay.scratch_slots, v[a:b])
-        for slab, a, b, slots in lay.pool_writes:
-            pk, pv = self.cache.slab_kv(slab, step, layer, self.heads)
-            pk.index_copy_(0, slots, k[a:b])
-            pv.index_copy_(0, slots, v[a:b])
-        if len(lay.launches) == 1 and lay.launches[0].q_end - lay.launches[0].q_start == q.shape[0]:
-            ln = lay.launches[0]
-            return self.backend.run(q, *self._keys(ln.source, k, v, step, layer, scratch), preps[0])
-        out = q.new_empty(q.shape)  # q may be a strided view of the fused q/k/v buffer
-        for ln, prep in zip(lay.launches, preps):
-            ks, vs = self._keys(ln.source, k, v, step, layer, scratch)
-            out[ln.q_start : ln.q_end] = self.backend.run(q[ln.q_start : ln.q_end], ks, vs, prep)
-        return out
-
-    def _keys(self, source, k, v, step, layer, scratch):
-        if source[0] == SELF:
-            return k, v
-        if source[0] == SCRATCH:
-            return scratch
-        assert source[0] == POOL
-        return self.cache.slab_kv(source[1], step, layer, self.heads)
 
     # ------------------------------------------------------------------ cache bookkeeping
 
-    def _record_index(self, plans, lay):
-        """Row-layout indices of the frames whose Euler trajectory the next hop's conv margin needs."""
-        idx, spans = [], []
-        for j, p in enumerate(plans):
-            if p.key is None or p.finalize:
-                continue
-            complete = p.frames // p.chunk * p.chunk
-            lo = max(p.q_start, complete - self.conv_margin)
-            if complete > lo:
-                base = lay.job_offsets[j] - p.q_start
-                idx.append(torch.arange(base + lo, base + complete))
-            spans.append((j, lo, complete, sum(t.numel() for t in idx)))
-        if not spans:
-            return None
-        return (torch.cat(idx).to(self.device) if idx else torch.zeros(0, dtype=torch.long, device=self.device)), spans
-
-    def _commit(self, plans, lay, trace, record) -> None:
+    def _commit(self, plans: list[_HopPlan], traj: torch.Tensor | None, spans: list) -> None:
         for p in plans:
             if p.key is not None and p.finalize:
                 self.cache.drop(p.key)  # the segment is over
-        if record is None:
-            return
-        trace = torch.stack(trace)  # [steps, recorded, mel]
-        start = 0
-        for j, lo, complete, stop in record[1]:
+        for j, a, z in spans:
             p = plans[j]
             st = self.cache.get(p.key)
-            new = trace[:, start:stop]
-            start = stop
+            lo, complete = p.record
+            new = traj[:, a:z]
             keep_from = max(0, complete - self.conv_margin)
             if st.traj is not None and keep_from < lo:
-                old = st.traj[:, keep_from - st.traj_start :]
-                new = torch.cat((old, new), dim=1)
+                new = torch.cat((st.traj[:, keep_from - st.traj_start :], new), dim=1)
             st.traj, st.traj_start = new, keep_from
             st.tokens = p.job.tokens.reshape(-1)[: p.end].detach().cpu()
             st.frames, st.complete, st.finalized = p.frames, complete, p.finalize
+
+
+class FlowSolve:
+    """One packed call in progress: ``step`` advances its Euler steps, ``finish`` returns mels."""
+
+    def __init__(self, runner: FlowRunner, plans, layout: FlowLayout, buffers: StepBuffers, key, entry):
+        self.runner, self.plans, self.layout, self.buffers, self.key, self.entry = runner, plans, layout, buffers, key, entry
+        self.done = 0
+
+    @property
+    def steps_left(self) -> int:
+        return self.runner.n_steps - self.done
+
+    @property
+    def jobs(self) -> list[FlowJob]:
+        return [p.job for p in self.plans]
+
+    @torch.inference_mode()
+    def step(self, n: int = 1) -> int:
+        """Run up to ``n`` more Euler steps (queued on the current stream); returns steps left."""
+        r = self.runner
+        for _ in range(min(n, self.steps_left)):
+            if self.entry is None:
+                r._step(self.buffers)
+            else:
+                r.graphs.run_step(self.key, self.entry)
+            self.done += 1
+        return self.steps_left
+
+    @torch.inference_mode()
+    def finish(self) -> list[torch.Tensor]:
+        """Commit the prefix cache and return each job's new mel [1, mel, F] float32."""
+        if self.steps_left:
+            raise RuntimeError(f"flow solve finished with {self.steps_left} steps left")
+        b, lay = self.buffers, self.layout
+        x = b.x[: lay.job_tokens].clone()  # the buffers belong to the bucket: the next solve reuses them
+        spans = b.extra.get("record_spans", [])
+        self.runner._commit(self.plans, b.traj.clone() if spans else None, spans)
+        outs = []
+        for j, p in enumerate(self.plans):
+            xj = x[lay.job_slice(j)]
+            outs.append(xj[p.out_start - p.q_start :].t().unsqueeze(0))
+        return outs
+
+
+def _copy_into(dst: StepBuffers, src: StepBuffers) -> None:
+    """Fill a bucket's buffers with a solve's inputs (same bucket, so the same shapes)."""
+    for name, v in vars(src).items():
+        d = getattr(dst, name)
+        if isinstance(v, torch.Tensor):
+            d.copy_(v)
+        elif isinstance(v, LaunchMeta):
+            for k, tv in v.tensors.items():
+                d.tensors[k].copy_(tv)
+    dst.extra = dict(src.extra)

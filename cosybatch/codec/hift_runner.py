@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from cosybatch.codec.graph_cache import GraphCache
 from cosybatch.codec.istft import CachedISTFT
+from cosybatch.hostcopy import h2d
 from cosybatch.models import noise as noise_tables
 from cosybatch.models.hift import CausalHiFTGenerator
 
@@ -46,7 +47,7 @@ from cosybatch.models.hift import CausalHiFTGenerator
 class HiftJob:
     """New mel frames [1, in, F] of one request's chunk; ``finalize`` on its last chunk."""
 
-    request_id: Hashable
+    segment_id: Hashable
     mel: torch.Tensor
     finalize: bool
 
@@ -80,8 +81,7 @@ def left_context(hift: CausalHiFTGenerator) -> tuple[int, int]:
 
 
 def _to_device(values: list[int], device) -> torch.Tensor:
-    # non_blocking: a plain torch.tensor(..., device=cuda) waits for the stream to drain
-    return torch.tensor(values).to(device, non_blocking=True)
+    return h2d(torch.tensor(values), device=device)  # no wait for the queued GPU work
 
 
 def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -> torch.Tensor:
@@ -113,9 +113,9 @@ class _State:
 
 
 @dataclass
-class _Plan:
+class _WindowPlan:
     job_index: int
-    request_id: Hashable
+    segment_id: Hashable
     state: _State
     window: torch.Tensor  # [in, W] mel frames [start, total)
     start: int  # s: first frame of the window
@@ -174,8 +174,8 @@ class HiftRunner:
     def active(self) -> int:
         return len(self._states)
 
-    def release(self, request_id: Hashable) -> None:
-        self._states.pop(request_id, None)
+    def release(self, segment_id: Hashable) -> None:
+        self._states.pop(segment_id, None)
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[HiftJob | tuple]) -> list[torch.Tensor]:
@@ -188,7 +188,7 @@ class HiftRunner:
             self._check(j)
         # All or nothing: planning advances each request's state before decoding, so a failed
         # call (e.g. out of memory) must put the states back for the caller's retry to be exact.
-        saved = {j.request_id: copy.copy(self._states.get(j.request_id)) for j in jobs}
+        saved = {j.segment_id: copy.copy(self._states.get(j.segment_id)) for j in jobs}
         try:
             return self._run(jobs)
         except BaseException:
@@ -205,7 +205,7 @@ class HiftRunner:
         while pending:  # rounds: one job per request each
             seen, this_round, later = set(), [], []
             for i in pending:
-                rid = jobs[i].request_id
+                rid = jobs[i].segment_id
                 (later if rid in seen else this_round).append(i)
                 seen.add(rid)
             plans = [self._plan(i, jobs[i]) for i in this_round]
@@ -239,20 +239,20 @@ class HiftRunner:
     def _check(self, job: HiftJob) -> None:
         mel = job.mel
         if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[1] != self.cfg.in_channels:
-            raise ValueError(f"request {job.request_id!r}: mel must be [1, {self.cfg.in_channels}, F]")
-        st = self._states.get(job.request_id)
+            raise ValueError(f"segment {job.segment_id!r}: mel must be [1, {self.cfg.in_channels}, F]")
+        st = self._states.get(job.segment_id)
         total = (st.total if st else 0) + mel.shape[2]
         f0_end = total if job.finalize else total - self.look_ahead
         if f0_end * self.spf > self.cfg.sine_table_len:
-            raise ValueError(f"request {job.request_id!r}: {f0_end * self.spf} samples exceed the "
+            raise ValueError(f"segment {job.segment_id!r}: {f0_end * self.spf} samples exceed the "
                              f"fixed sine noise table ({self.cfg.sine_table_len})")
 
-    def _plan(self, index: int, job: HiftJob) -> _Plan:
-        st = self._states.get(job.request_id)
+    def _plan(self, index: int, job: HiftJob) -> _WindowPlan:
+        st = self._states.get(job.segment_id)
         if st is None:
             st = _State(tail=None, phase=torch.zeros(self.hift.m_source.dim, dtype=torch.float64,
                                                      device=self.device))
-            self._states[job.request_id] = st
+            self._states[job.segment_id] = st
         new = job.mel[0].to(device=self.device, dtype=self.hift.stft_window.dtype)
         st.tail = new if st.tail is None else torch.cat([st.tail, new], dim=1)
         st.total += new.shape[1]
@@ -267,10 +267,10 @@ class HiftRunner:
             start, next_anchor = 0, 0
         assert start >= st.tail_start
         window = st.tail[:, start - st.tail_start:]
-        return _Plan(index, job.request_id, st, window, start, f0_end, st.emitted, out_end,
+        return _WindowPlan(index, job.segment_id, st, window, start, f0_end, st.emitted, out_end,
                      next_anchor, fin)
 
-    def _batches(self, plans: list[_Plan]) -> list[list[_Plan]]:
+    def _batches(self, plans: list[_WindowPlan]) -> list[list[_WindowPlan]]:
         out, cur = [], []
         for p in plans:  # sorted by length: the last one added is the longest
             width = self._bucket(p.window.shape[1])
@@ -358,7 +358,7 @@ class HiftRunner:
                          envelope, frame_mask)
         return torch.clamp(wav, -self.cfg.audio_limit, self.cfg.audio_limit)
 
-    def _run_batch(self, plans: list[_Plan], outs: list) -> None:
+    def _run_batch(self, plans: list[_WindowPlan], outs: list) -> None:
         dev, spf, up = self.device, self.spf, self.hift.up_total
         rows = self._batch_rows(len(plans))
         width = self._bucket(max(p.window.shape[1] for p in plans))
@@ -393,12 +393,12 @@ class HiftRunner:
                 new_phase = cycles[b, p.next_anchor - p.start - 1].clone()
             outs[p.job_index] = self._finish(p, wav[b: b + 1, a:z].clone(), new_phase)
 
-    def _finish(self, p: _Plan, wav: torch.Tensor | None, new_phase: torch.Tensor | None) -> torch.Tensor:
+    def _finish(self, p: _WindowPlan, wav: torch.Tensor | None, new_phase: torch.Tensor | None) -> torch.Tensor:
         st = p.state
         if wav is None:
             wav = torch.zeros(1, 0, device=self.device, dtype=p.window.dtype)
         if p.finalize:
-            self._states.pop(p.request_id, None)
+            self._states.pop(p.segment_id, None)
             return wav
         st.emitted = p.out_end
         if new_phase is not None:

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from cosybatch.hostcopy import h2d
+
 _unfold_backward = torch.ops.aten.unfold_backward
 
 
@@ -97,7 +99,7 @@ class CachedISTFT:
         """[B, padded_frames, 1] bool, True where the frame exists for that row."""
         idx = torch.arange(padded_frames).unsqueeze(0)
         lens = torch.tensor(list(n_frames)).unsqueeze(1)
-        return (idx < lens).unsqueeze(-1).to(device, non_blocking=True)
+        return h2d(idx < lens, device=device).unsqueeze(-1)
 
     # ------------------------------------------------------------------ transform
     def __call__(self, real: torch.Tensor, imag: torch.Tensor,

@@ -1,29 +1,33 @@
-"""Ragged layout of one packed flow call (pure index bookkeeping, no model math).
+"""Ragged layout of one packed flow call: pure index bookkeeping (numpy), no model math.
 
-A call solves many *jobs* (one request's hop, or a whole response) at once; each job is two
-*rows*, its conditional and unconditional CFG branch (branch 0 = conditional). Frames are
-absolute positions within the row (prompt frames first), so rotary angles, noise and the
-attention-chunk grid line up with the official full-sequence computation.
+A call solves many *jobs* (one segment's hop, or a whole response) at once; each job is two
+*rows*, its conditional and unconditional CFG branch. Frames are absolute positions within the
+row (prompt frames first), so rotary angles, noise and the attention-chunk grid line up with
+the official full-sequence computation (design.md D9).
 
-Three layouts of the same tokens are used, and this module maps between them:
-- **row layout** ``[branch 0 jobs ‖ branch 1 jobs]``, each job's frames ``[q_start, frames)``
-  in order: where the Euler state lives and CFG pairs line up (token i and i + job_tokens).
-- **conv layout**: each row as ``conv_context`` zero frames, then frames ``[conv_start, frames)``.
+Two layouts of the same tokens:
+- **token layout** ``[branch 0: every job's frames [q_start, frames) ‖ branch 1: the same]``:
+  where the Euler state lives, the transformer runs and CFG pairs line up (token i and
+  i + stride). Padding for a graph bucket goes at the end of each branch.
+- **conv layout**: each row as ``conv_gap`` zero frames, then frames ``[conv_start, frames)``.
   The zeros are the convolutions' left padding and keep rows from leaking into each other;
-  the frames before ``q_start`` are the left margin a cached hop recomputes for the convs.
-- **attention layout**: tokens grouped by launch (key tensor, then chunk index within the
-  hop), so each launch's queries are one contiguous slice (see ``attention.py``).
+  frames before ``q_start`` are the left margin a cached hop needs for its convs.
+
+Attention is described as *sub-sequences*: a run of query tokens that all see the same keys.
+A chunk of a chunk-causal row sees its row's frames ``[0, chunk_end)``; a full-attention row
+sees all its frames. Keys come from one of two places, so there are two launches:
+- **pool** (rows whose K/V are cached across hops): keys are read in place from the prefix
+  cache's arena, at the row's region;
+- **self** (uncached rows): keys are this call's own k/v, at the row's token positions.
+Sub-sequences of one launch may read overlapping key ranges (the kernel takes a start and a
+used length per sub-sequence), so each launch is one kernel call whatever the chunking.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from cosybatch.codec.attention import Launch
-
-SELF, SCRATCH, POOL = "self", "scratch", "pool"
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class RowSpec:
     q_start: int  # first frame run through the transformer
     conv_start: int  # first frame fed to the position convs (<= q_start)
     chunk: int  # attention chunk in frames; 0 = full attention
-    pool: tuple[tuple[int, int], tuple[int, int]] | None = None  # (slab, offset) per branch; None = not cached
+    pool: tuple[int, int] | None = None  # arena frame offset of the row's K/V region per branch; None = uncached
 
     def __post_init__(self):
         if not 0 <= self.conv_start <= self.q_start < self.frames:
@@ -47,149 +51,176 @@ class RowSpec:
             raise ValueError("a cached prefix must end on the attention-chunk grid")
 
 
-def subsequences(frames: int, q_start: int, chunk: int) -> list[tuple[int, int, int, int]]:
-    """(chunk index within the hop, first query frame, end query frame, visible keys) per piece.
+def subsequences(frames: int, q_start: int, chunk: int) -> list[tuple[int, int, int]]:
+    """(first query frame, end query frame, visible keys) per piece of one row.
 
     Chunk-causal: frame i sees frames j < (i // chunk + 1) * chunk, so every query of one
     chunk sees the same key prefix. Full attention is a single piece.
     """
     if chunk <= 0:
-        return [(0, q_start, frames, frames)]
+        return [(q_start, frames, frames)]
     out = []
-    first = q_start // chunk
-    for c in range(first, (frames - 1) // chunk + 1):
+    for c in range(q_start // chunk, (frames - 1) // chunk + 1):
         end = min(frames, (c + 1) * chunk)
-        out.append((c - first, max(q_start, c * chunk), end, end))
+        out.append((max(q_start, c * chunk), end, end))
     return out
 
 
-@dataclass
-class PackedLayout:
-    rows: list[RowSpec]
-    job_offsets: list[int]  # row-layout start of each job within one branch (+ total)
-    launches: list[Launch]
-    positions: torch.Tensor  # [tokens] absolute frame of each attention-layout token
-    att_to_conv: torch.Tensor  # [tokens] conv index of each attention-layout token
-    row_to_att: torch.Tensor  # [tokens] attention index of each row-layout token
-    conv_of_row: torch.Tensor  # [tokens] conv index of each row-layout token
-    conv_len: int
-    conv_valid: torch.Tensor  # [conv_len] 1 at real frames, 0 at padding
-    margin_conv: torch.Tensor  # conv index of margin frames, branch-major, then job, then frame
-    scratch_frames: int
-    scratch_span: tuple[int, int]  # attention-layout range whose K/V go to the scratch buffer
-    scratch_slots: torch.Tensor
-    pool_writes: list[tuple[int, int, int, torch.Tensor]]  # (slab, att start, att end, slots)
+@dataclass(frozen=True)
+class SubSeqs:
+    """One launch's sub-sequences in token order: queries ``q[q_start : q_start + q_len]`` see
+    keys ``k[k_start : k_start + k_len]`` of that launch's key tensor."""
+
+    q_start: np.ndarray
+    q_len: np.ndarray
+    k_start: np.ndarray
+    k_len: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.q_start)
+
+    @property
+    def max_q(self) -> int:
+        return int(self.q_len.max()) if len(self) else 0
+
+    @property
+    def max_k(self) -> int:
+        return int(self.k_len.max()) if len(self) else 0
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the launch computes (for FLOP counts)."""
+        return int((self.q_len * self.k_len).sum())
+
+
+def _subseqs(items: list[tuple[int, int, int, int]]) -> SubSeqs:
+    a = np.array(sorted(items), dtype=np.int64).reshape(-1, 4)
+    return SubSeqs(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+
+
+@dataclass(frozen=True)
+class FlowLayout:
+    rows: tuple[RowSpec, ...]
+    job_offsets: np.ndarray  # [jobs + 1] token offset of each job within one branch
+    stride: int  # tokens per branch, padding included (branch 1 starts here)
+    conv_len: int  # conv frames, the masked sink frames at the end included
+    conv_valid: np.ndarray  # [conv_len] bool: real frames (False at the rows' zero gaps and the sink)
+    conv_first: np.ndarray  # [2, jobs] conv index of each row's first frame (its conv_start)
+    conv_of_token: np.ndarray  # [2 * stride] conv index of each token; padding points at the sink
+    margin_conv: np.ndarray  # [2, margin] conv index of each margin frame, per branch
+    positions: np.ndarray  # [2 * stride] absolute frame of each token (0 for padding)
+    pool_slots: np.ndarray  # [2 * stride] arena frame of a pool token's K/V, -1 for other tokens
+    pool: SubSeqs  # keys: arena frames
+    self: SubSeqs  # keys: token indices of this call
 
     @property
     def job_tokens(self) -> int:
-        return self.job_offsets[-1]
+        return int(self.job_offsets[-1])
 
     @property
     def tokens(self) -> int:
-        return 2 * self.job_tokens
+        return 2 * self.stride
+
+    @property
+    def margin(self) -> int:
+        return self.margin_conv.shape[1]
 
     def job_slice(self, j: int) -> slice:
-        return slice(self.job_offsets[j], self.job_offsets[j + 1])
+        return slice(int(self.job_offsets[j]), int(self.job_offsets[j + 1]))
 
 
-def _source(row: RowSpec, branch: int) -> tuple:
-    if row.pool is not None:
-        return (POOL, row.pool[branch][0])
-    return (SCRATCH,) if row.chunk else (SELF,)
+def conv_frames(rows: list[RowSpec], conv_gap: int) -> int:
+    """Conv-layout frames ``rows`` need (both branches, gaps included, no sink)."""
+    return 2 * sum(conv_gap + r.frames - r.conv_start for r in rows)
 
 
-def _rank(src: tuple) -> tuple:
-    return ({SELF: 0, SCRATCH: 1, POOL: 2}[src[0]],) + src[1:]
+def pack(rows: list[RowSpec], conv_gap: int, stride: int | None = None, conv_len: int | None = None,
+         margin: int | None = None) -> FlowLayout:
+    """Lay out ``rows`` (one per job) for one call; ``conv_gap`` = frames of conv left padding.
 
-
-def pack(rows: list[RowSpec], conv_context: int, device) -> PackedLayout:
-    """Lay out ``rows`` (one per job) for one call; ``conv_context`` = frames of conv left padding."""
-    job_offsets = [0]
-    for r in rows:
-        job_offsets.append(job_offsets[-1] + r.frames - r.q_start)
-    nj = job_offsets[-1]
-
-    # Conv layout and per-row key bases.
-    conv_base, conv_len, margins = {}, 0, []
-    valid = []
-    scratch_base, scratch_frames = {}, 0
+    ``stride``, ``conv_len`` and ``margin`` pad the layout to a graph bucket's sizes: padded
+    tokens and margin entries point at a masked sink frame past the real conv frames, so
+    nothing they compute reaches a real row.
+    """
+    q_lens = np.array([r.frames - r.q_start for r in rows], dtype=np.int64)
+    job_offsets = np.concatenate(([0], np.cumsum(q_lens)))
+    nj = int(job_offsets[-1])
+    real_conv = conv_frames(rows, conv_gap)
+    stride = nj if stride is None else stride
+    conv_len = real_conv + 1 if conv_len is None else conv_len
+    if stride < nj or conv_len <= real_conv:
+        raise ValueError(f"bucket too small: {stride} < {nj} tokens or {conv_len} <= {real_conv} conv frames")
+    sink = real_conv
+    conv_of_token = np.full(2 * stride, sink, dtype=np.int64)
+    positions = np.zeros(2 * stride, dtype=np.int64)
+    pool_slots = np.full(2 * stride, -1, dtype=np.int64)
+    valid = np.zeros(conv_len, dtype=bool)
+    conv_first = np.zeros((2, len(rows)), dtype=np.int64)
+    margins: list[list[np.ndarray]] = [[], []]
+    pool_items, self_items = [], []
+    conv = 0
     for b in (0, 1):
         for j, r in enumerate(rows):
-            valid.append(torch.zeros(conv_context))
-            conv_len += conv_context
-            conv_base[b, j] = conv_len
-            n = r.frames - r.conv_start
-            valid.append(torch.ones(n))
-            if r.q_start > r.conv_start:
-                margins.append(torch.arange(conv_len, conv_len + r.q_start - r.conv_start))
-            conv_len += n
-            if r.pool is None and r.chunk:
-                scratch_base[b, j] = scratch_frames
-                scratch_frames += r.frames
+            conv += conv_gap
+            conv_first[b, j] = conv
+            valid[conv : conv + r.frames - r.conv_start] = True
+            first = conv + r.q_start - r.conv_start  # conv index of the row's first token
+            margins[b].append(np.arange(conv, first))
+            t0 = b * stride + int(job_offsets[j])  # token index of the row's first token
+            span = slice(t0, t0 + int(q_lens[j]))
+            conv_of_token[span] = np.arange(first, first + q_lens[j])
+            positions[span] = np.arange(r.q_start, r.frames)
+            if r.pool is not None:
+                pool_slots[span] = r.pool[b] + positions[span]
+            for f0, f1, keys in subsequences(r.frames, r.q_start, r.chunk):
+                q0 = t0 + f0 - r.q_start
+                if r.pool is not None:
+                    pool_items.append((q0, f1 - f0, r.pool[b], keys))
+                else:  # uncached rows start at frame 0, so the row's keys begin at its first token
+                    self_items.append((q0, f1 - f0, t0, keys))
+            conv += r.frames - r.conv_start
+    margin_conv = np.stack([np.concatenate(m) if m else np.zeros(0, np.int64) for m in margins])
+    if margin is not None:
+        if margin < margin_conv.shape[1]:
+            raise ValueError(f"bucket too small: {margin_conv.shape[1]} margin frames > {margin}")
+        margin_conv = np.pad(margin_conv, ((0, 0), (0, margin - margin_conv.shape[1])), constant_values=sink)
+    return FlowLayout(rows=tuple(rows), job_offsets=job_offsets, stride=stride, conv_len=conv_len,
+                      conv_valid=valid, conv_first=conv_first, conv_of_token=conv_of_token, margin_conv=margin_conv.astype(np.int64),
+                      positions=positions, pool_slots=pool_slots, pool=_subseqs(pool_items),
+                      self=_subseqs(self_items))
 
-    # Attention layout: every sub-sequence, grouped by (key tensor, chunk index), keys ascending.
-    items = []
-    for b in (0, 1):
-        for j, r in enumerate(rows):
-            src = _source(r, b)
-            kbase = r.pool[b][1] if r.pool is not None else scratch_base.get((b, j), 0)
-            for ci, f0, f1, klen in subsequences(r.frames, r.q_start, r.chunk):
-                items.append((_rank(src), ci, kbase, b * len(rows) + j, src, b, j, f0, f1, klen))
-    items.sort(key=lambda it: it[:4])
 
-    positions, att_to_conv, row_index = [], [], []
-    launches, cur, att = [], None, 0
-    scratch_span, scratch_slots = [None, None], []
-    pool_spans: dict[int, list] = {}
-    for _, ci, kbase, _, src, b, j, f0, f1, klen in items:
-        r = rows[j]
-        n = f1 - f0
-        frames = torch.arange(f0, f1)
-        positions.append(frames)
-        att_to_conv.append(conv_base[b, j] + frames - r.conv_start)
-        row_index.append(b * nj + job_offsets[j] + frames - r.q_start)
-        koff = att if src[0] == SELF else kbase
-        if src[0] == SCRATCH:
-            scratch_span[0] = att if scratch_span[0] is None else scratch_span[0]
-            scratch_span[1] = att + n
-            scratch_slots.append(kbase + frames)
-        elif src[0] == POOL:
-            span = pool_spans.setdefault(src[1], [att, att, []])
-            span[1] = att + n
-            span[2].append(kbase + frames)
-        key = (src, ci)
-        if cur is None or cur[0] != key:
-            cur = [key, att, [], [], []]
-            launches.append(cur)
-        cur[2].append(n)
-        cur[3].append(koff)
-        cur[4].append(klen)
-        att += n
+def varlen_offsets(seqs: SubSeqs, n_tokens: int, n_seqs: int, key_base: int = 0) -> tuple[np.ndarray, ...]:
+    """(cu_q [n_seqs + 1], k_start [n_seqs + 1], k_used [n_seqs]) int32 for a varlen kernel that
+    takes a key start and a used key count per sequence.
 
-    lay_launches = [Launch(source=k[0], q_start=s, q_end=s + sum(ql), q_lens=tuple(ql), k_offs=tuple(ko), k_lens=tuple(kl)) for k, s, ql, ko, kl in launches]
-    row_index = torch.cat(row_index)
-    row_to_att = torch.empty_like(row_index)
-    row_to_att[row_index] = torch.arange(row_index.numel())
-    conv_of_row = torch.empty_like(row_index)
-    conv_of_row[row_index] = torch.cat(att_to_conv)
-
-    def dev(t):
-        return t.to(device)
-
-    empty = torch.zeros(0, dtype=torch.long)
-    return PackedLayout(
-        rows=list(rows),
-        job_offsets=job_offsets,
-        launches=lay_launches,
-        positions=dev(torch.cat(positions)),
-        att_to_conv=dev(torch.cat(att_to_conv)),
-        row_to_att=dev(row_to_att),
-        conv_of_row=dev(conv_of_row),
-        conv_len=conv_len,
-        conv_valid=dev(torch.cat(valid)),
-        margin_conv=dev(torch.cat(margins) if margins else empty),
-        scratch_frames=scratch_frames,
-        scratch_span=(scratch_span[0] or 0, scratch_span[1] or 0),
-        scratch_slots=dev(torch.cat(scratch_slots) if scratch_slots else empty),
-        pool_writes=[(slab, a, e, dev(torch.cat(sl))) for slab, (a, e, sl) in sorted(pool_spans.items())],
-    )
+    Token runs that belong to no sub-sequence of this launch (the other launch's tokens, padding)
+    become sequences with no keys, whose output the kernel writes as zeros; the list is then
+    padded to ``n_seqs`` with empty sequences so a graph's arrays keep their size. Key starts
+    are relative to ``key_base``.
+    """
+    cu_q, k_start, k_used = [0], [], []
+    pos = 0
+    for q0, ql, k0, kl in zip(seqs.q_start, seqs.q_len, seqs.k_start, seqs.k_len):
+        if q0 < pos:
+            raise ValueError("sub-sequences overlap")
+        if q0 > pos:  # a gap: the other launch's tokens
+            cu_q.append(int(q0))
+            k_start.append(key_base)
+            k_used.append(0)
+        cu_q.append(int(q0 + ql))
+        k_start.append(key_base + int(k0))
+        k_used.append(int(kl))
+        pos = int(q0 + ql)
+    if pos < n_tokens:
+        cu_q.append(n_tokens)
+        k_start.append(key_base)
+        k_used.append(0)
+    if pos > n_tokens or len(k_used) > n_seqs:
+        raise ValueError(f"{len(k_used)} sequences over {n_tokens} tokens do not fit {n_seqs} slots")
+    pad = n_seqs - len(k_used)
+    cu_q += [n_tokens] * pad
+    k_start += [key_base] * (pad + 1)
+    k_used += [0] * pad
+    i32 = np.int32
+    return np.array(cu_q, i32), np.array(k_start, i32), np.array(k_used, i32)

@@ -1,4 +1,4 @@
-"""Exact prefix reuse for streaming flow hops.
+"""Exact prefix reuse for streaming flow hops (design.md D9).
 
 Why it is exact: with the chunk-causal mask (grid from frame 0), the left-only position
 convolutions and the fixed per-position CFM noise, a frame in a chunk that was *complete* in
@@ -8,24 +8,38 @@ layer, CFG branch) equal what the official recompute produces at any later hop. 
 runs the transformer on the frames from the last complete chunk on; the two causal convs need
 ``conv_context``-frame left margins at every step, rebuilt from the Euler trajectory kept here.
 
-Storage: K/V live in a few large *slabs* ``[steps, depth, slab_frames, inner]`` so the
-varlen kernels read a row's keys in place. Each cached row owns one contiguous region per
-CFG branch; regions grow by moving (rarely) and are freed when the request ends. A byte
-budget bounds the slabs; a row that does not fit is simply recomputed (the caller's fallback).
+Storage: one *arena* per K and V, ``[steps, depth, frames + 1, inner]``. Viewed flat as
+``[steps * depth * (frames + 1), heads, dh]``,
+the slot of (step, layer) starts at ``(step * depth + layer) * (frames + 1)``, so the attention
+kernel reads a row's keys in place from any slot with one offset. Each cached segment owns one
+contiguous region of frames per CFG branch (the same frames in every slot); regions grow in
+place or move (rarely), and are freed when the segment ends. The last frame of every slot is
+a dump that uncached tokens write into. The arena starts small and doubles when a region
+does not fit, up to a byte budget (and the GPU's free memory); each growth bumps ``version``,
+because a captured graph holds the old address. A segment that does not fit is simply
+recomputed (the caller's fallback).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
+log = logging.getLogger(__name__)
+
+# Kept free when the arena grows into the GPU's free memory: activations, graphs, HiFT.
+_RESERVE_BYTES = 16 << 30
+_FIRST_FRAMES = 4096
+
 
 @dataclass
-class RowState:
-    """What a cached row keeps between hops (one request segment)."""
+class PrefixEntry:
+    """What a cached segment keeps between hops."""
 
-    regions: list[tuple[int, int]]  # (slab, offset) per CFG branch
+    regions: list[int]  # arena frame offset per CFG branch
     capacity: int  # frames reserved in each region
     tokens: torch.Tensor  # CPU flow tokens [end] the last hop used
     frames: int = 0  # frames of the last hop
@@ -35,11 +49,11 @@ class RowState:
     finalized: bool = False
 
 
-class _Slab:
-    def __init__(self, shape, dtype, device):
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.free = [(0, shape[2])]  # sorted (start, length) intervals
+class _FreeList:
+    """First-fit allocator of frame ranges in ``[0, size)``."""
+
+    def __init__(self, size: int):
+        self.free = [(0, size)] if size > 0 else []  # sorted (start, length)
 
     def alloc(self, n: int) -> int | None:
         for i, (s, length) in enumerate(self.free):
@@ -49,10 +63,8 @@ class _Slab:
         return None
 
     def release(self, start: int, n: int) -> None:
-        self.free.append((start, n))
-        self.free.sort()
-        merged = []
-        for s, length in self.free:
+        merged: list[tuple[int, int]] = []
+        for s, length in sorted(self.free + [(start, n)]):
             if merged and merged[-1][0] + merged[-1][1] == s:
                 merged[-1] = (merged[-1][0], merged[-1][1] + length)
             else:
@@ -60,7 +72,7 @@ class _Slab:
         self.free = merged
 
     def extend(self, start: int, old: int, new: int) -> bool:
-        """Grow the region ``[start, start+old)`` in place if the frames after it are free."""
+        """Grow ``[start, start + old)`` in place if the frames after it are free."""
         for i, (s, length) in enumerate(self.free):
             if s == start + old and length >= new - old:
                 rest = length - (new - old)
@@ -68,72 +80,110 @@ class _Slab:
                 return True
         return False
 
+    def used(self, size: int) -> int:
+        return size - sum(n for _, n in self.free)
+
 
 class PrefixCache:
-    """K/V arena + per-row state, keyed by (request_id, segment)."""
+    """The K/V arena and the per-segment entries, keyed by segment id."""
 
-    def __init__(self, steps: int, depth: int, inner: int, dtype, device, budget_bytes: int, slab_frames: int = 16384, block: int = 64):
-        self.shape_head = (steps, depth)
-        self.inner = inner
+    def __init__(self, steps: int, depth: int, heads: int, inner: int, dtype, device, budget_bytes: int,
+                 block: int = 64):
+        self.steps, self.depth, self.heads, self.inner = steps, depth, heads, inner
         self.dtype, self.device = dtype, torch.device(device)
         elem = torch.empty(0, dtype=dtype).element_size()
-        self.bytes_per_frame = steps * depth * 2 * inner * elem  # K and V, one branch
+        self.bytes_per_frame = steps * depth * 2 * inner * elem  # K and V of one frame, one branch
         self.budget_frames = max(0, int(budget_bytes) // self.bytes_per_frame)
-        self.slab_frames = slab_frames
         self.block = block
-        self.slabs: dict[int, _Slab] = {}  # id -> slab; an emptied slab is freed
-        self._next_slab = 0
-        self.rows: dict[tuple, RowState] = {}
+        self.k: torch.Tensor | None = None  # flat [steps * depth * slot, heads, dh]
+        self.v: torch.Tensor | None = None
+        self.frames = 0  # usable frames per slot (the dump frame excluded)
+        self.version = 0  # bumped whenever the arena moves
+        self.first_frames = _FIRST_FRAMES
+        self._free = _FreeList(0)
+        self.rows: dict[Hashable, PrefixEntry] = {}
 
-    # ------------------------------------------------------------------ memory
+    # ------------------------------------------------------------------ the arena
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_frames > 0
+
+    @property
+    def slot(self) -> int:
+        """Frames between consecutive (step, layer) slots of the flat arena."""
+        return self.frames + 1
+
+    @property
+    def dump(self) -> int:
+        """The frame (within a slot) that tokens without a region write their K/V into."""
+        return self.frames
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.k.shape[2] for s in self.slabs.values()) * self.bytes_per_frame
+        return self.slot * self.bytes_per_frame if self.k is not None else 0
 
     def used_frames(self) -> int:
-        return sum(s.k.shape[2] - sum(n for _, n in s.free) for s in self.slabs.values())
+        return self._free.used(self.frames)
+
+    def ensure_arena(self) -> bool:
+        """Allocate the arena if there is none yet; False if there is no budget or no memory."""
+        if self.k is None and self.enabled:
+            self._grow(min(self.budget_frames, self.first_frames))
+        return self.k is not None
+
+    def _grow(self, want: int) -> bool:
+        """Move the arena into one of ``want`` frames per slot (bounded by the budget and, on CUDA,
+        by free memory); False if it cannot grow."""
+        want = min(want, self.budget_frames) // self.block * self.block
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            want = min(want, self.frames + max(0, free - _RESERVE_BYTES) // self.bytes_per_frame // self.block * self.block)
+        if want <= self.frames:
+            return False
+        shape = (self.steps * self.depth * (want + 1), self.heads, self.inner // self.heads)
+        try:
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        except (torch.OutOfMemoryError, RuntimeError):
+            # The budget is a cap, not a promise of free memory: recompute instead of failing.
+            log.warning("flow prefix cache: no memory to grow the arena to %d frames; hops that do not fit "
+                        "recompute their prefix", want)
+            self.budget_frames = self.frames
+            return False
+        if self.k is not None:
+            old_k, old_v = self._slots()
+            new_k, new_v = (t.view(self.steps, self.depth, want + 1, self.inner) for t in (k, v))
+            new_k[:, :, : self.frames] = old_k[:, :, : self.frames]
+            new_v[:, :, : self.frames] = old_v[:, :, : self.frames]
+        self._free.release(self.frames, want - self.frames)
+        self.k, self.v, self.frames = k, v, want
+        self.version += 1
+        log.info("flow prefix cache: %d frames per slot (%.1f GiB)", want, self.allocated_bytes / (1 << 30))
+        return True
+
+    def _alloc(self, n: int) -> int | None:
+        while (off := self._free.alloc(n)) is None:
+            if not self._grow(max(2 * self.frames, self.frames + n)):
+                return None
+        return off
+
+    def _slots(self) -> torch.Tensor:
+        return self.k.view(self.steps, self.depth, self.slot, self.inner), self.v.view(self.steps, self.depth, self.slot, self.inner)
+
+    # ------------------------------------------------------------------ entries
+
+    def get(self, key) -> PrefixEntry | None:
+        return self.rows.get(key)
 
     def _round(self, n: int) -> int:
         return -(-n // self.block) * self.block
 
-    def _alloc(self, n: int) -> tuple[int, int] | None:
-        for i, slab in self.slabs.items():
-            start = slab.alloc(n)
-            if start is not None:
-                return i, start
-        have = sum(s.k.shape[2] for s in self.slabs.values())
-        size = min(max(self.slab_frames, n), self.budget_frames - have)
-        if size < n:
+    def reserve(self, key, frames: int, tokens: torch.Tensor) -> PrefixEntry | None:
+        """Make ``key``'s regions hold ``frames`` frames (allocate, extend or move); None if the
+        arena cannot hold them (the entry is then dropped and the caller recomputes)."""
+        if not self.ensure_arena():
             return None
-        try:
-            slab = _Slab(self.shape_head + (size, self.inner), self.dtype, self.device)
-        except torch.OutOfMemoryError:
-            # The budget is a cap, not a promise of free memory: recompute instead of failing.
-            return None
-        i = self._next_slab
-        self._next_slab += 1
-        self.slabs[i] = slab
-        return i, self.slabs[i].alloc(n)
-
-    def _release(self, slab: int, start: int, n: int) -> None:
-        s = self.slabs[slab]
-        s.release(start, n)
-        if s.free == [(0, s.k.shape[2])]:
-            del self.slabs[slab]  # give the memory back once nothing lives there
-
-    def slab_kv(self, slab: int, step: int, layer: int, heads: int):
-        s = self.slabs[slab]
-        return s.k[step, layer].view(-1, heads, self.inner // heads), s.v[step, layer].view(-1, heads, self.inner // heads)
-
-    # ------------------------------------------------------------------ rows
-
-    def get(self, key) -> RowState | None:
-        return self.rows.get(key)
-
-    def reserve(self, key, frames: int, tokens: torch.Tensor) -> RowState | None:
-        """Make ``key``'s regions hold ``frames`` frames (allocate, extend or move); None if
-        the budget cannot hold them (the row is then dropped and recomputed by the caller)."""
         st = self.rows.get(key)
         if st is not None and frames <= st.capacity:
             return st
@@ -145,55 +195,47 @@ class PrefixCache:
             for _ in range(2):
                 r = self._alloc(want)
                 if r is None:
-                    for slab, off in regions:
-                        self._release(slab, off, want)
+                    for off in regions:
+                        self._free.release(off, want)
                     return None
                 regions.append(r)
-            st = RowState(regions=regions, capacity=want, tokens=tokens)
+            st = PrefixEntry(regions=regions, capacity=want, tokens=tokens)
             self.rows[key] = st
             return st
-        # Grow each branch in place if possible, else move it; on failure drop the row.
-        sizes = [st.capacity] * len(st.regions)
-        new_regions = list(st.regions)
-        for b, (slab, off) in enumerate(st.regions):
-            if self.slabs[slab].extend(off, st.capacity, want):
-                sizes[b] = want
+        new_regions = []
+        for b, off in enumerate(st.regions):
+            if self._free.extend(off, st.capacity, want):
+                new_regions.append(off)
                 continue
             r = self._alloc(want)
-            if r is None:
-                for bb in range(b):
-                    if new_regions[bb] != st.regions[bb]:
-                        self._release(new_regions[bb][0], new_regions[bb][1], want)
-                        sizes[bb] = st.capacity
-                for bb, (s2, o2) in enumerate(st.regions):
-                    self._release(s2, o2, sizes[bb])
+            if r is None:  # undo this call's growth, then drop the entry
+                for old, new in zip(st.regions, new_regions):
+                    if new == old:  # grown in place: give back the extension
+                        self._free.release(old + st.capacity, want - st.capacity)
+                    else:  # moved: give back the new region
+                        self._free.release(new, want)
+                for old in st.regions:
+                    self._free.release(old, st.capacity)
                 del self.rows[key]
                 return None
-            new_regions[b] = r
-        for b, ((slab, off), (ns, no)) in enumerate(zip(st.regions, new_regions)):
-            if (slab, off) == (ns, no):
+            new_regions.append(r)
+        ks, vs = self._slots()
+        n = st.complete
+        for old, new in zip(st.regions, new_regions):
+            if old == new:
                 continue
-            n = st.complete
             if n:
-                self.slabs[ns].k[:, :, no : no + n] = self.slabs[slab].k[:, :, off : off + n]
-                self.slabs[ns].v[:, :, no : no + n] = self.slabs[slab].v[:, :, off : off + n]
-            self._release(slab, off, st.capacity)
-        st.regions = new_regions
-        st.capacity = want
+                ks[:, :, new : new + n] = ks[:, :, old : old + n]
+                vs[:, :, new : new + n] = vs[:, :, old : old + n]
+            self._free.release(old, st.capacity)
+        st.regions, st.capacity = new_regions, want
         return st
-
-    def _free_row(self, st: RowState) -> None:
-        for slab, off in st.regions:
-            self._release(slab, off, st.capacity)
 
     def drop(self, key) -> None:
         st = self.rows.pop(key, None)
         if st is not None:
-            self._free_row(st)
-
-    def release(self, request_id) -> None:
-        for key in [k for k in self.rows if k[0] == request_id]:
-            self.drop(key)
+            for off in st.regions:
+                self._free.release(off, st.capacity)
 
     def clear(self) -> None:
         for key in list(self.rows):

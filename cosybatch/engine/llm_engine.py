@@ -23,7 +23,7 @@ from cosybatch.engine.kv_cache import BlockAllocator
 from cosybatch.engine.model_runner import ModelRunner
 from cosybatch.engine.request import (RequestOutput, SamplingParams, Sequence, SeqStatus, TokenCallback,
                                       as_int_list, length_limits)
-from cosybatch.engine.scheduler import Scheduler
+from cosybatch.engine.scheduler import Scheduler, StepPlan
 from cosybatch.models.speech_lm import CosyVoice3LM
 
 
@@ -50,7 +50,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._pending: list[Sequence] | None = None
+        self._inflight: tuple[StepPlan, float] | None = None  # a launched step not yet collected
+        self._abort_later: set[str] = set()  # aborts that arrived while a step was in flight
         self._min_left = 0
         self._run_ahead = self.runner.can_run_ahead
 
@@ -83,7 +84,12 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now (its row failed elsewhere) and free its slot and KV blocks."""
+        """Stop a request now (its row failed elsewhere) and free its slot and KV blocks. With a
+        step in flight, the request is stopped when that step is collected (rows can only move
+        between steps)."""
+        if self._inflight is not None and request_id in self.seqs:
+            self._abort_later.add(request_id)
+            return
         seq = self.seqs.pop(request_id, None)
         if seq is None or seq.status == SeqStatus.FINISHED:
             return
@@ -108,34 +114,66 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
-        if self._pending is not None:  # a decode step enqueued ahead by the previous call
-            seqs, self._pending = self._pending, None
-            t0 = time.perf_counter()
-            return self._after_decode(seqs, self.runner.decode_collect(), t0)
+        """Launch the next step and wait for it (``launch`` + ``collect``)."""
+        self.launch()
+        return self.collect()
+
+    def launch(self) -> bool:
+        """Enqueue the next step (a prefill of newly admitted requests, or one decode step of
+        every running row) without waiting for it; True if a step is in flight."""
+        if self._inflight is not None:
+            return True
         plan = self.scheduler.schedule()
         if plan is None:
-            return []
+            return False
         t0 = time.perf_counter()
         if plan.kind == "decode":
             self.runner.decode_launch(plan.seqs)
-            return self._after_decode(plan.seqs, self.runner.decode_collect(), t0)
-        toks = self.runner.prefill(plan.seqs)
-        st = self.stats
-        st.prefill_steps += 1
-        st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
-        st.prefill_s += time.perf_counter() - t0
-        outputs = [self._advance(seq, tok) for seq, tok in zip(plan.seqs, toks)]
-        self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
+        else:
+            self.runner.prefill_launch(plan.seqs)
+        self._inflight = (plan, t0)
+        return True
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def step_done(self) -> bool:
+        """Whether the step in flight has finished on the device (never blocks)."""
+        return self._inflight is None or self.runner.step_done()
+
+    def collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight and advance its requests; [] if none is in flight."""
+        if self._inflight is None:
+            return []
+        (plan, t0), self._inflight = self._inflight, None
+        toks = self.runner.collect()
+        if plan.kind == "decode":
+            outputs = self._after_decode(plan.seqs, toks, t0)
+        else:
+            st = self.stats
+            st.prefill_steps += 1
+            st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
+            st.prefill_s += time.perf_counter() - t0
+            outputs = self._advance_all(plan.seqs, toks)
+            self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
+        if self._abort_later and self._inflight is None:
+            for rid in list(self._abort_later):
+                self.abort(rid)
+            self._abort_later.clear()
         return outputs
+
+    def _advance_all(self, seqs: list[Sequence], toks: list[int]) -> list[RequestOutput]:
+        return [self._advance(seq, tok) for seq, tok in zip(seqs, toks) if seq.request_id not in self._abort_later]
 
     def _after_decode(self, seqs: list[Sequence], toks: list[int], t0: float) -> list[RequestOutput]:
         # Nothing in this step ends a row and nobody can be admitted: the rows of the next step
         # are these rows, so enqueue it now and let the GPU run while the host does bookkeeping.
         if (self._run_ahead and max(toks) < self.stop_start and self._min_left > 1
-                and not self.scheduler.can_admit()):
+                and not self.scheduler.can_admit() and not self._abort_later):
             self.runner.decode_launch(seqs)
-            self._pending = seqs
-        outputs = [self._advance(seq, tok) for seq, tok in zip(seqs, toks)]
+            self._inflight = (StepPlan("decode", seqs), time.perf_counter())
+        outputs = self._advance_all(seqs, toks)
         self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
         st = self.stats
         st.decode_steps += 1

@@ -13,10 +13,12 @@ import logging
 
 import torch
 
+from cosybatch.cuda_graphs import capture_graph
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.sampler import SamplerState, padded_vocab
+from cosybatch.hostcopy import copy_in, h2d
 from cosybatch.models.speech_lm import CosyVoice3LM
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ def triton_available() -> bool:
     return True
 
 
-class RowState:
+class DecodeRows:
     """Device tensors indexed by decode row."""
 
     def __init__(self, num_rows: int, max_blocks: int, device: torch.device):
@@ -62,7 +64,7 @@ class ModelRunner:
         self.vocab_padded = padded_vocab(lm.cfg.speech_vocab)
         self.num_rows = cfg.max_num_seqs
         self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
-        self.rows = RowState(self.num_rows, self.max_blocks, self.device)
+        self.rows = DecodeRows(self.num_rows, self.max_blocks, self.device)
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
                                     lm.cfg.sos, cfg.max_model_len, self.device)
         if executor == "torch":
@@ -94,7 +96,7 @@ class ModelRunner:
         r = self.rows
         table = torch.zeros(self.max_blocks, dtype=torch.int32)
         table[: len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        r.block_tables[row].copy_(table)
+        copy_in(r.block_tables[row], table)
         r.tok[row] = 0
         r.pos[row] = 0
         r.n_gen[row] = 0
@@ -132,18 +134,24 @@ class ModelRunner:
         return torch.cat(out)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
+    def prefill_launch(self, seqs: list[Sequence]) -> None:
+        """Enqueue the prefill of newly admitted sequences and their first sampled ids;
+        ``collect`` returns those ids."""
         for s in seqs:
             self.bind(s, s.row)
         logits = self.executor.prefill(seqs)
-        rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=self.device)
+        rows = h2d([s.row for s in seqs], torch.long, self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         toks = self._sample_record(logits, rows, zeros)
         r = self.rows
         r.tok[rows] = toks
-        r.pos[rows] = torch.tensor([s.prompt_len for s in seqs], device=self.device)
+        r.pos[rows] = h2d([s.prompt_len for s in seqs], torch.long, self.device)
         r.n_gen[rows] = 1
-        return toks.tolist()
+        self._publish(toks, len(seqs))
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        self.prefill_launch(seqs)
+        return self.collect()
 
     def _decode_step(self, b: int, seqs: list[Sequence] | None, logits: torch.Tensor | None = None) -> None:
         r = self.rows
@@ -180,21 +188,33 @@ class ModelRunner:
                 g.replay()
         else:
             self._decode_step(n, seqs)
+        self._publish(self.rows.out[:n], n)
+
+    def _publish(self, toks: torch.Tensor, n: int) -> None:
+        """Queue the step's ids for the host: on CUDA an asynchronous copy into pinned memory and
+        an event, so the host can queue more work before it reads them."""
         if self.device.type == "cuda":
-            self._host_out[:n].copy_(self.rows.out[:n], non_blocking=True)
+            self._host_out[:n].copy_(toks, non_blocking=True)
             self._out_ready.record()
+        else:
+            self._cpu_out = toks
         self._pending_n = n
 
-    def decode_collect(self) -> list[int]:
+    def collect(self) -> list[int]:
+        """The ids of the step launched last (waits for that step, not for later work)."""
         n = self._pending_n
         if self.device.type == "cuda":
             self._out_ready.synchronize()  # the step's one host sync
             return self._host_out[:n].tolist()
-        return self.rows.out[:n].tolist()
+        return self._cpu_out[:n].tolist()
+
+    def step_done(self) -> bool:
+        """Whether the step launched last has finished on the device (never blocks)."""
+        return self.device.type != "cuda" or self._out_ready.query()
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         self.decode_launch(seqs)
-        return self.decode_collect()
+        return self.collect()
 
     @property
     def can_run_ahead(self) -> bool:
@@ -231,11 +251,7 @@ class ModelRunner:
         else:
             buf = torch.empty(b, self.vocab_padded, dtype=torch.float32, device=self.device)
             fn = lambda: buf.copy_(self.executor.decode(b))  # noqa: E731
-        fn()  # warm this exact shape outside the capture
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.graph_pool):
-            fn()
+        g, _ = capture_graph(fn, pool=self.graph_pool)  # warms this exact shape up first
         if self.graph_pool is None:
             self.graph_pool = g.pool()
         self.graphs[b] = g

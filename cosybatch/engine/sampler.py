@@ -22,6 +22,7 @@ import torch
 
 from cosybatch.engine.request import SamplingParams
 from cosybatch.engine.rng import split_seed, uniform
+from cosybatch.hostcopy import copy_in
 
 _FIXED_ONE = float(2**40)  # fixed-point scale; sums of <= 2**13 such values fit int64 exactly
 
@@ -84,7 +85,7 @@ class SamplerState:
             "force": 1.0 if p.force_length is not None else 0.0,
         }
         row_vals = torch.tensor([vals[c] for c in _COLS], dtype=torch.float64)
-        self.params[row].copy_(row_vals, non_blocking=False)
+        copy_in(self.params[row], row_vals)
         self.history[row].zero_()
         self.seen[row].zero_()
 

@@ -3,7 +3,7 @@ one decode token per row, all reading/writing the paged cache.
 
 The weights are the ``CosyVoice3LM``'s own, copied once into the engine dtype (q/k/v and
 gate/up fused, the speech head padded to an aligned vocabulary with a -inf bias on the padding).
-The decode forward reads only device state (``RowState``), so it can be captured in a CUDA graph.
+The decode forward reads only device state (``DecodeRows``), so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from cosybatch.engine import triton_kernels as K
 from cosybatch.engine.kv_cache import PagedKVCache
 from cosybatch.engine.request import Sequence
+from cosybatch.hostcopy import h2d
 from cosybatch.models.speech_lm import CosyVoice3LM
 
 
@@ -125,17 +126,14 @@ class TritonExecutor:
             rows += [s.row] * n
             slots += PagedKVCache.slots_for(s.blocks, 0, n, bs)
             last.append(len(ids) - 1)
-        dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        sp = torch.tensor(is_speech, dtype=torch.bool, device=dev)
+        dev, long = self.device, torch.long
+        ids_t = h2d(ids, long, dev)
+        sp = h2d(is_speech, torch.bool, dev)
         x = torch.where(sp.unsqueeze(1),
                         self.embed_speech[torch.where(sp, ids_t, 0)],
                         self.embed_text[torch.where(sp, 0, ids_t)])
-        h = self._forward(x.contiguous(),
-                          torch.tensor(pos, dtype=torch.long, device=dev),
-                          torch.tensor(rows, dtype=torch.long, device=dev),
-                          torch.tensor(slots, dtype=torch.long, device=dev), "prefill")
-        return self._logits(h[torch.tensor(last, device=dev)].contiguous())
+        h = self._forward(x.contiguous(), h2d(pos, long, dev), h2d(rows, long, dev), h2d(slots, long, dev), "prefill")
+        return self._logits(h.index_select(0, h2d(last, long, dev)).contiguous())
 
     def decode(self, b: int, seqs=None) -> torch.Tensor:
         """Logits [b, Vp] for rows 0..b-1 from device state only (graph-capturable)."""

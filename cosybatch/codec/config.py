@@ -1,0 +1,36 @@
+"""Codec settings: what the packed flow and the batched HiFT receive, resolved from a profile.
+
+Nothing in ``cosybatch.codec`` reads a profile; ``cosybatch.profiles.resolve`` builds this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    max_num_seqs: int = 16  # rows (hops or whole responses) per packed flow / HiFT call
+    flow_dtype: "torch.dtype | None" = None  # None: the flow module's own dtype
+    attention: str = "auto"  # auto | sdpa | varlen | flash (see codec/attention.py)
+    prefix_budget_bytes: int = 0  # 0: streaming hops recompute their prefix (no K/V reuse)
+    chunk_causal_final: bool = False  # opt-in, not exact (design.md D4)
+    flow_compile: bool = False
+    flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
+    flow_graph_capacity: int = 32
+    hift_graphs: bool = False
+    hift_graph_capacity: int = 32
+    hift_graph_counters: int = 128
+    hift_graph_capture_after: int = 3
+    hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
+
+    def hift_graph_options(self) -> dict | None:
+        """``HiftRunner(graphs=...)``: None for eager decode."""
+        if not self.hift_graphs:
+            return None
+        return {"capacity": self.hift_graph_capacity, "max_counters": self.hift_graph_counters,
+                "capture_after": self.hift_graph_capture_after}

@@ -1,0 +1,117 @@
+"""One Euler step of the packed flow solve, written so that one CUDA graph serves every step.
+
+Everything a step reads lives in a :class:`StepBuffers` (the graph's static inputs), and the
+step index is a device scalar the step itself advances: the modulation vectors, the time step
+and the prefix-cache slot of each layer are looked up from it, so replaying one captured step
+ten times is the whole 10-step solve (design.md D16). The math is the official one: the DiT
+(``cosybatch.models.dit``) through the fused helpers of ``dit_step``, classifier-free guidance
+``v = (1 + r) v_cond - r v_uncond`` and ``x += dt * v`` with the official time schedule.
+
+Padding (graph buckets) is inert by construction: padded tokens read zero keys (their output
+is zeros), gather conv input from a masked sink frame, and write K/V into the arena's dump
+frame; nothing they compute is ever read for a real token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cosybatch.codec.attention import LaunchMeta
+from cosybatch.codec.dit_step import ConvPositionEmbed, block_post, block_pre
+from cosybatch.models.dit import LN_EPS
+
+
+@dataclass
+class FlowTables:
+    """Per-runner constants, indexed by the step scalar: identical for every row (all rows share t)."""
+
+    mods: torch.Tensor  # [steps, depth, 6, dim]: shift, 1+scale, gate, shift_mlp, 1+scale_mlp, gate_mlp
+    final: torch.Tensor  # [steps, 2, dim]: 1+scale, shift of the final AdaLN
+    dt: torch.Tensor  # [steps] float32, the official accumulated schedule
+    cfg_rate: float
+    blocks: list  # per block: ((wqkv, bqkv), (wo, bo, w1, b1, w2, b2))
+    proj_in: tuple  # (weight, bias) of the input embedding's projection
+    proj_out: tuple
+    conv: ConvPositionEmbed
+    heads: int
+    pre: Callable = block_pre  # dit_step.block_pre, or a compiled twin
+    post: Callable = block_post
+
+
+@dataclass
+class StepBuffers:
+    """The inputs and state of one solve (for a graph: its static tensors, bucket-sized)."""
+
+    x: torch.Tensor  # [stride, mel] float32 Euler state, one copy per job token
+    step: torch.Tensor  # [1] long: the next step's index
+    static: torch.Tensor  # [conv_len, 2 * mel + spk] dtype: cond | mu | spk per conv frame
+    valid: torch.Tensor  # [conv_len] bool
+    conv_of_token: torch.Tensor  # [2 * stride] long
+    cos: torch.Tensor  # [2 * stride, rot] float32 rotary tables of each token's position
+    sin: torch.Tensor
+    pool_slots: torch.Tensor  # [2 * stride] long, frame within an arena slot (the dump for non-pool tokens)
+    pool_mask: torch.Tensor  # [2 * stride, 1, 1] bool: token attends through the pool launch
+    pool: LaunchMeta | None
+    self_: LaunchMeta | None
+    margin_conv: torch.Tensor | None = None  # [2 * margin] long
+    margin: torch.Tensor | None = None  # [steps, margin, mel] dtype: earlier trajectory at the margin frames
+    record_idx: torch.Tensor | None = None  # [records] long: tokens whose trajectory the next hop needs
+    traj: torch.Tensor | None = None  # [steps, records, mel] float32, written step by step
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def stride(self) -> int:
+        return self.x.shape[0]
+
+
+def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
+    """Advance ``b`` by one Euler step in place (no host sync: capturable)."""
+    s = b.step
+    stride = b.stride
+    dtype = b.static.dtype
+    xx = b.x.to(dtype)
+    xin = torch.zeros(b.static.shape[0], b.x.shape[1], device=xx.device, dtype=dtype)
+    xin.index_copy_(0, b.conv_of_token, torch.cat((xx, xx)))
+    if b.margin is not None:
+        m = b.margin.index_select(0, s)[0]
+        xin.index_copy_(0, b.margin_conv, torch.cat((m, m)))
+    h = F.linear(torch.cat((xin, b.static), dim=1), *t.proj_in)
+    h = torch.where(b.valid[:, None], h, 0.0)
+    h = t.conv(h, b.valid.to(dtype)).index_select(0, b.conv_of_token)
+    mods = t.mods.index_select(0, s)[0]
+    base = s * (len(t.blocks) * arena.slot) if arena is not None and b.pool is not None else None
+    for layer, (wpre, wpost) in enumerate(t.blocks):
+        m = mods[layer]
+        q, k, v = t.pre(h, m[0], m[1], *wpre, b.cos, b.sin, t.heads)
+        o = _attend(q, k, v, b, backend, arena, None if base is None else base + layer * arena.slot)
+        h = t.post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
+    fm = t.final.index_select(0, s)[0]
+    vel = F.linear(F.layer_norm(h, (h.shape[-1],), fm[0], fm[1], eps=LN_EPS), *t.proj_out).float()
+    if b.record_idx is not None:
+        b.traj.index_copy_(0, s, b.x.index_select(0, b.record_idx)[None])
+    v_cond, v_uncond = vel[:stride], vel[stride:]
+    b.x.add_(t.dt.index_select(0, s) * ((1.0 + t.cfg_rate) * v_cond - t.cfg_rate * v_uncond))
+    b.step.add_(1)
+
+
+def _attend(q, k, v, b: StepBuffers, backend, arena, base):
+    zero = b.step.new_zeros(())
+    o_pool = o_self = None
+    if b.pool is not None:
+        # Every token writes its K/V (non-pool tokens into the dump frame), then the pool
+        # launch reads each cached row's keys in place from this (step, layer) slot.
+        idx = b.pool_slots + base
+        arena.k.index_copy_(0, idx, k)
+        arena.v.index_copy_(0, idx, v)
+        o_pool = backend.run(q, arena.k, arena.v, b.pool, base)
+    if b.self_ is not None:
+        o_self = backend.run(q, k, v, b.self_, zero)
+    if o_pool is None:
+        return o_self
+    if o_self is None:
+        return o_pool
+    return torch.where(b.pool_mask, o_pool, o_self)

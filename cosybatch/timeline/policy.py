@@ -1,0 +1,191 @@
+"""What codec work runs between two AR steps: pure functions over queues, budgets and a clock.
+
+The pipeline's one thread issues every kernel in the order these functions choose
+(design.md D15). Each iteration queues one AR step, then codec *slices* worth at most a
+budget of GPU time: Euler steps of the active flow solve, a batched HiFT call, a new solve.
+The budget keeps the AR cadence (time between a row's tokens) bounded; deadlines decide
+what the budget buys:
+
+- **imminent deadlines first** (streaming): a row's next chunk must be ready before the audio
+  it already has runs out at real time, so players never underrun; such work may overrun the
+  budget;
+- **then first hops**: a row with no audio yet waits for its first chunk (time to first PCM);
+- **then** earliest playback deadline (streaming) or oldest first (full responses: throughput,
+  the largest solve the budget allows).
+
+A new solve waits until it is worth its fixed cost: it starts once the ready hops make a
+solve of ``solve_tokens`` (a Euler step has a fixed cost of a few hundred kernels, so tiny
+solves waste the GPU), or a first hop has waited ``first_wait_s``, or any hop ``max_wait_s``,
+or a deadline is near, or the AR engine is idle (no more tokens are coming soon).
+
+Starvation-free: a waiting hop's deadline only gets nearer until it is imminent, and imminent
+hops outrank everything; within a class the order is by deadline, then arrival; and no hop
+waits past ``max_wait_s`` for a solve to start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A flow job that can run now (its segment's previous hop is done)."""
+
+    segment_id: str
+    order: int  # arrival order, the FIFO tie-break
+    first: bool  # the row's first audio
+    deadline: float  # when the row's buffered audio runs out (inf while none plays)
+    tokens: int  # transformer tokens the hop adds to a solve (CFG twins included)
+    ready_at: float = 0.0  # when it became ready
+
+
+@dataclass(frozen=True)
+class Mel:
+    """A flow output waiting for HiFT."""
+
+    segment_id: str
+    order: int
+    first: bool
+    deadline: float
+    frames: int  # window frames HiFT will decode
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Estimated GPU milliseconds (``timeline.costs.CostModel`` learns them)."""
+
+    flow_step_ms_per_token: float
+    flow_step_ms: float  # fixed part of one Euler step
+    hift_ms_per_frame: float
+    hift_ms: float
+
+    def flow_step(self, tokens: int) -> float:
+        return self.flow_step_ms + self.flow_step_ms_per_token * tokens
+
+    def efficient_tokens(self) -> float:
+        """Tokens at which a step's fixed cost is a quarter of it."""
+        return 3.0 * self.flow_step_ms / max(self.flow_step_ms_per_token, 1e-12)
+
+    def hift(self, frames: int) -> float:
+        return self.hift_ms + self.hift_ms_per_frame * frames
+
+
+@dataclass(frozen=True)
+class Limits:
+    streaming: bool
+    budget_ms: float  # codec GPU time between two AR steps
+    max_jobs: int  # hops per flow solve (codec admission)
+    max_hift: int  # mels per HiFT batch
+    urgent_s: float = 0.25  # a deadline this close may overrun the budget
+    n_steps: int = 10  # Euler steps per solve
+    solve_tokens: float | None = None  # the solve size worth waiting for; None: from the costs
+    first_wait_s: float = 0.05  # a first hop waits at most this long for a bigger solve
+    max_wait_s: float = 0.25  # any hop, at most this long
+
+
+@dataclass(frozen=True)
+class Solve:
+    """The flow solve in progress."""
+
+    tokens: int  # padded transformer tokens per step
+    steps_left: int
+    deadline: float  # the earliest deadline among its jobs
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    hift: tuple[str, ...] = ()  # segments whose pending mels HiFT decodes now (in queue order)
+    flow_steps: int = 0  # Euler steps of the active solve to queue
+    start: tuple[str, ...] = ()  # segments whose hops start a new solve (after the active one finishes)
+    start_steps: int = 0  # Euler steps of the new solve to queue right away
+
+
+def _key(lim: Limits, now: float):
+    if lim.streaming:
+        return lambda h: (h.deadline - now > lim.urgent_s, not h.first, h.deadline, h.order)
+    return lambda h: (not h.first, h.order)
+
+
+def _target(lim: Limits, costs: Costs) -> float:
+    return lim.solve_tokens if lim.solve_tokens is not None else costs.efficient_tokens()
+
+
+def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: float = 0.0) -> list[Hop]:
+    """The hops of the next solve: at most one per segment (a segment's hops depend on each
+    other), in priority order, at most ``max_jobs``, and with the AR engine busy at most 1.5x
+    the target solve size, so one Euler step stays near the budget (always at least one hop)."""
+    seen, out, tokens = set(), [], 0
+    cap = 1.5 * _target(lim, costs) if ar_active else INF
+    for h in sorted(hops, key=_key(lim, now)):
+        if h.segment_id in seen:
+            continue
+        if out and (len(out) >= lim.max_jobs or tokens + h.tokens > cap):
+            continue  # a smaller later hop may still fit
+        seen.add(h.segment_id)
+        out.append(h)
+        tokens += h.tokens
+    return out
+
+
+def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops: list[Hop]) -> bool:
+    """Whether the ready hops should start a solve now rather than wait for more."""
+    if not hops:
+        return False
+    if not ar_active:
+        return True
+    per_segment = {}
+    for h in hops:
+        per_segment.setdefault(h.segment_id, h)
+    if sum(h.tokens for h in per_segment.values()) >= _target(lim, costs):
+        return True
+    return any(h.deadline - now <= lim.urgent_s
+               or now - h.ready_at >= (lim.first_wait_s if h.first else lim.max_wait_s) for h in hops)
+
+
+def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,
+         hops: list[Hop], mels: list[Mel]) -> SlicePlan:
+    """The codec slices of one iteration, in the order to queue them."""
+    budget = lim.budget_ms if ar_active else INF
+    urgent = lambda d: d - now <= lim.urgent_s  # noqa: E731
+    spent = 0.0
+    # HiFT first when its output is what someone waits for (a first chunk, a deadline), when
+    # a batch is full, or when nothing else competes; else it accumulates a bigger batch.
+    hift: tuple[str, ...] = ()
+    if mels:
+        queue = sorted(mels, key=_key(lim, now))[: lim.max_hift]
+        flow_waiting = solve is not None or bool(hops)
+        if (not ar_active or not flow_waiting or len(mels) >= lim.max_hift
+                or any(m.first or urgent(m.deadline) for m in queue)):
+            hift = tuple(m.segment_id for m in queue)
+            spent += costs.hift(sum(m.frames for m in queue))
+    steps = 0
+    if solve is not None:
+        step = costs.flow_step(solve.tokens)
+        room = budget - spent
+        if urgent(solve.deadline):  # a player is about to run dry: finish its chunk now
+            room = max(room, step * solve.steps_left)
+        steps = max(1, _fit(room, step, solve.steps_left))
+        spent += step * steps
+        if steps < solve.steps_left:
+            return SlicePlan(hift, steps)
+    start, start_steps = (), 0
+    if worth_starting(now, lim, costs, ar_active, hops):
+        jobs = pick_jobs(hops, lim, costs, ar_active, now)
+        start = tuple(h.segment_id for h in jobs)
+        step = costs.flow_step(sum(h.tokens for h in jobs))
+        room = budget - spent
+        if any(urgent(h.deadline) for h in jobs):
+            room = max(room, step * lim.n_steps)
+        start_steps = _fit(room, step, lim.n_steps)
+    return SlicePlan(hift, steps, start, start_steps)
+
+
+def _fit(room: float, step: float, most: int) -> int:
+    """Steps of ``step`` ms that fit in ``room`` ms, at most ``most``."""
+    if room == INF:
+        return most
+    return min(most, max(0, int(room // step)))

@@ -1,0 +1,160 @@
+"""The GPU-timeline policy on synthetic timelines: a fake clock, fixed slice costs, no GPU."""
+
+import math
+
+from cosybatch.timeline.costs import CostModel
+from cosybatch.timeline.policy import INF, Costs, Hop, Limits, Mel, Solve, pick_jobs, plan, worth_starting
+
+COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
+# solve_tokens=0: every ready hop is worth a solve at once (the waiting rule has its own test)
+STREAM = Limits(streaming=True, budget_ms=4.0, max_jobs=8, max_hift=8, solve_tokens=0)
+FULL = Limits(streaming=False, budget_ms=20.0, max_jobs=8, max_hift=8, solve_tokens=0)
+
+
+def hop(seg, order, first=False, deadline=INF, tokens=1000, ready_at=0.0):
+    return Hop(seg, order, first, deadline, tokens, ready_at)
+
+
+def test_pick_jobs_orders_imminent_deadlines_first_hops_deadlines_arrival():
+    hops = [hop("a", 1, deadline=9.0), hop("b", 2, first=True), hop("c", 3, deadline=5.0), hop("d", 4, deadline=5.0),
+            hop("e", 5, first=True), hop("f", 6, deadline=0.2)]
+    got = [h.segment_id for h in pick_jobs(hops, STREAM, COSTS, ar_active=False)]
+    assert got == ["f", "b", "e", "c", "d", "a"]
+    # time passes: c and d become imminent and overtake the first hops
+    got = [h.segment_id for h in pick_jobs(hops, STREAM, COSTS, ar_active=False, now=4.9)]
+    assert got == ["f", "c", "d", "b", "e", "a"]
+    # full responses: first hops first, then arrival (deadlines do not apply)
+    got = [h.segment_id for h in pick_jobs(hops, FULL, COSTS, ar_active=False)]
+    assert got == ["b", "e", "a", "c", "d", "f"]
+
+
+def test_pick_jobs_one_hop_per_segment_and_caps():
+    hops = [hop("a", 1), hop("a", 2), hop("b", 3), hop("c", 4)]
+    assert [h.order for h in pick_jobs(hops, STREAM, COSTS, ar_active=False)] == [1, 3, 4]
+    lim = Limits(streaming=True, budget_ms=4.0, max_jobs=2, max_hift=8)
+    assert len(pick_jobs(hops, lim, COSTS, ar_active=False)) == 2
+    # With the AR engine busy a solve holds at most 1.5x the target size (6000 tokens here)
+    lim = Limits(streaming=True, budget_ms=4.0, max_jobs=8, max_hift=8, solve_tokens=4000)
+    big = [hop("x", 1, tokens=3000), hop("y", 2, tokens=3500), hop("z", 3, tokens=900)]
+    assert [h.segment_id for h in pick_jobs(big, lim, COSTS, ar_active=True)] == ["x", "z"]
+    assert len(pick_jobs(big, lim, COSTS, ar_active=False)) == 3
+    # ...but a solve always gets at least one hop, however large
+    assert [h.segment_id for h in pick_jobs([hop("w", 1, tokens=10**6)], lim, COSTS, ar_active=True)] == ["w"]
+
+
+def test_a_solve_waits_until_it_is_worth_its_fixed_cost():
+    costs = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=2.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
+    assert costs.efficient_tokens() == 6000  # the fixed 2 ms is a quarter of a 6000-token step
+    lim = Limits(streaming=True, budget_ms=4.0, max_jobs=8, max_hift=8)
+    few = [hop("a", 1, tokens=2000, ready_at=1.0), hop("b", 2, tokens=2000, ready_at=1.0)]
+    assert not worth_starting(1.01, lim, costs, True, few)  # 4000 < 6000 tokens, nobody waited long
+    assert worth_starting(1.01, lim, costs, True, few + [hop("c", 3, tokens=2000, ready_at=1.0)])
+    assert worth_starting(1.01, lim, costs, False, few)  # the AR engine is idle: no more are coming
+    assert worth_starting(1.3, lim, costs, True, few)  # waited max_wait_s
+    first = [hop("f", 1, first=True, tokens=600, ready_at=1.0)]
+    assert not worth_starting(1.02, lim, costs, True, first) and worth_starting(1.06, lim, costs, True, first)
+    assert worth_starting(1.0, lim, costs, True, [hop("d", 1, tokens=10, deadline=1.1, ready_at=1.0)])
+    assert plan(1.01, lim, costs, True, None, few, []).start == ()
+
+
+def test_budget_splits_a_solve_across_iterations():
+    solve = Solve(tokens=1000, steps_left=10, deadline=INF)  # 1 ms per step
+    p = plan(0.0, STREAM, COSTS, True, solve, [hop("n", 1)], [])
+    assert (p.flow_steps, p.start) == (4, ())  # 4 ms of budget; no new solve while this one runs
+    p = plan(0.0, STREAM, COSTS, True, Solve(1000, 3, INF), [hop("n", 1, tokens=500)], [])
+    assert p.flow_steps == 3 and p.start == ("n",) and p.start_steps == 2  # 1 ms left: two 0.5 ms steps
+    p = plan(0.0, STREAM, COSTS, True, Solve(10_000, 10, INF), [], [])
+    assert p.flow_steps == 1  # a step larger than the budget still advances
+
+
+def test_an_idle_ar_engine_lifts_the_budget():
+    p = plan(0.0, STREAM, COSTS, False, Solve(1000, 10, INF), [hop("n", 1)], [Mel("m", 0, False, INF, 100)])
+    assert p.hift == ("m",) and p.flow_steps == 10 and p.start == ("n",) and p.start_steps == 10
+
+
+def test_an_imminent_deadline_overruns_the_budget():
+    near = Solve(tokens=1000, steps_left=10, deadline=0.2)
+    assert plan(0.0, STREAM, COSTS, True, near, [], []).flow_steps == 10
+    far = Solve(tokens=1000, steps_left=10, deadline=5.0)
+    assert plan(0.0, STREAM, COSTS, True, far, [], []).flow_steps == 4
+    p = plan(0.0, STREAM, COSTS, True, None, [hop("u", 1, deadline=0.1)], [])
+    assert p.start == ("u",) and p.start_steps == 10
+
+
+def test_hift_runs_for_first_chunks_and_deadlines_else_batches_up():
+    waiting = [hop("n", 9)]
+    lazy = [Mel("a", 1, False, 5.0, 100)]
+    assert plan(0.0, STREAM, COSTS, True, None, waiting, lazy).hift == ()  # flow waits: let the batch grow
+    assert plan(0.0, STREAM, COSTS, True, None, waiting, [Mel("b", 2, True, INF, 100)]).hift == ("b",)
+    assert plan(4.9, STREAM, COSTS, True, None, waiting, lazy).hift == ("a",)  # its player runs dry soon
+    assert plan(0.0, STREAM, COSTS, True, None, [], lazy).hift == ("a",)  # nothing else competes
+    full = [Mel(f"m{i}", i, False, INF, 10) for i in range(8)]
+    assert len(plan(0.0, STREAM, COSTS, True, None, waiting, full).hift) == 8  # a full batch goes
+
+
+def _simulate(lim, arrivals, n_steps=10, iterations=2000, ar_ms=2.0, tokens=1000):
+    """Hops of ``tokens`` arrive at given times; each iteration is an AR step (``ar_ms``) plus
+    the planned slices at COSTS; returns {segment: (arrival, finished)}."""
+    now, solve, solve_hops, queue, done = 0.0, None, [], [], {}
+    pending = sorted(arrivals, key=lambda a: a[1])
+    order = 0
+    for _ in range(iterations):
+        while pending and pending[0][1] <= now:
+            seg, t, first = pending.pop(0)
+            order += 1
+            queue.append((hop(seg, order, first=first, deadline=INF if first else (t + 1000.0) / 1e3, tokens=tokens), t))
+        if not (queue or solve or pending):
+            break
+        ar = bool(pending) or bool(queue)
+        s = Solve(sum(h.tokens for h in solve_hops), solve, min(h.deadline for h in solve_hops)) if solve else None
+        p = plan(now / 1e3, lim, COSTS, ar, s, [h for h, _ in queue], [])
+        ms = ar_ms if ar else 0.0
+        if p.flow_steps:
+            ms += p.flow_steps * COSTS.flow_step(s.tokens)
+            solve -= p.flow_steps
+            if solve == 0:
+                for h in solve_hops:
+                    done[h.segment_id] = now + ms
+                solve, solve_hops = None, []
+        if p.start and solve is None:
+            solve_hops = [h for h, _ in queue if h.segment_id in p.start]
+            queue = [(h, t) for h, t in queue if h.segment_id not in p.start]
+            solve = n_steps - p.start_steps
+            ms += p.start_steps * COSTS.flow_step(sum(h.tokens for h in solve_hops))
+            if solve == 0:
+                for h in solve_hops:
+                    done[h.segment_id] = now + ms
+                solve, solve_hops = None, []
+        now += max(ms, 0.1)
+    return {seg: (t, done.get(seg)) for seg, t, _ in arrivals}
+
+
+def test_no_hop_starves_under_a_stream_of_first_hops():
+    # A steady stream of first hops (every 6 ms) beside later hops (every 12 ms, deadline 1 s
+    # after arrival), 2 ms of flow each: 0.5 ms of flow per ms against the 4 ms per 6 ms
+    # iteration the budget allows. No later hop is starved by the first hops.
+    arrivals = [(f"f{i}", 6.0 * i, True) for i in range(300)] + [(f"l{i}", 12.0 * i + 1, False) for i in range(150)]
+    result = _simulate(STREAM, arrivals, iterations=20000, tokens=200)
+    waits = {s: end - start for s, (start, end) in result.items()}
+    assert all(w is not None for w in waits.values()), "a hop never finished"
+    late = [w for s, w in waits.items() if s.startswith("l")]
+    assert max(late) < 1000.0  # ms: every later hop made its player's deadline
+
+
+def test_first_hops_overtake_a_backlog():
+    arrivals = [(f"late{i}", 0.0, False) for i in range(30)] + [("first", 1.0, True)]
+    result = _simulate(STREAM, arrivals)
+    first_done = result["first"][1]
+    assert sum(1 for s, (_, end) in result.items() if s != "first" and end < first_done) <= 8  # one solve ahead at most
+
+
+def test_cost_model_learns_fixed_cost_and_slope():
+    m = CostModel(flow_ms_per_token=1e-3, flow_ms=0.0)
+    for _ in range(300):  # the hardware really does 2 ms + 0.5 us per token
+        for tokens in (1000, 4000, 16000):
+            m.observe_flow_step(tokens, 2.0 + 5e-4 * tokens)
+    c = m.costs()
+    assert math.isclose(c.flow_step_ms, 2.0, rel_tol=0.05) and math.isclose(c.flow_step_ms_per_token, 5e-4, rel_tol=0.05)
+    frozen = CostModel(learn=False)
+    frozen.observe_hift(100, 50.0)
+    assert frozen.costs() == CostModel(learn=False).costs()
