@@ -14,16 +14,15 @@ and returns the rows its predecessor already committed instead of synthesizing t
 from __future__ import annotations
 
 import logging
-import math
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
 from .manifest import ManifestRow, probe_prompt, unsafe_id_reason
-from .resume import explain_change, fingerprint_sha, finished_with_inputs, input_key
-from .runner import SettingsChanged, _check_audio  # the runner's own test for usable audio
+from .resume import explain_change, fingerprint_sha, finished_with_inputs
+from .row_records import base_record, ok_record, one_by_one
+from .runner import SettingsChanged
 from .synth_options import SynthOptions
 from .writer import Ledger, OutputFault, latest_rows, read_ledger, remove_quietly, remove_stale_tmp, write_wav_atomic
 
@@ -38,14 +37,6 @@ RESULT_COLUMNS = (("status", "string"), ("wav", "string"), ("audio_s", "float64"
 def _result(status: str, wav: str | None = None, audio_s: float | None = None, tokens: int | None = None,
             total_s: float | None = None, reason: str | None = None) -> dict[str, Any]:
     return {"status": status, "wav": wav, "audio_s": audio_s, "tokens": tokens, "total_s": total_s, "reason": reason}
-
-
-def _finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def settings_changed_message(done_fps: dict[str, Any], fp: dict[str, Any], out: Path) -> str:
@@ -179,7 +170,7 @@ class SynthStage:
             if batch is not None:
                 outcomes = ((row, outcome, None) for row, outcome in batch(rows, self.stream))
             else:
-                outcomes = self._one_by_one(rows)
+                outcomes = one_by_one(self.synth, rows, self.stream)
             for row, outcome, elapsed in outcomes:
                 if row.utt_id in left:
                     i, _ = left.pop(row.utt_id)
@@ -194,38 +185,16 @@ class SynthStage:
         for i, row in left.values():  # a batch engine that lost a row must not lose it silently
             yield i, self._failed(row, reason)
 
-    def _one_by_one(self, rows: list[ManifestRow]) -> Any:
-        for row in rows:
-            t0 = time.perf_counter()
-            try:
-                outcome = self.synth.synthesize(row, self.stream)
-            except Exception as e:
-                outcome = e
-            yield row, outcome, time.perf_counter() - t0
-
-    def _base(self, row: ManifestRow) -> dict[str, Any]:
-        return {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha, "input": input_key(row)}
-
     def _commit(self, row: ManifestRow, res: Any, elapsed: float | None) -> dict[str, Any]:
         if isinstance(res, BaseException):
             return self._failed(row, f"{type(res).__name__}: {res}")
         try:
-            audio = _check_audio(res.audio)
-            sr = int(res.sample_rate)
-            if sr <= 0:
-                raise ValueError(f"bad sample rate {sr}")
-            tokens, chunks = int(res.tokens), int(res.chunks)
+            rec, audio = ok_record(row, res, elapsed, self.fp_sha)
         except Exception as e:
             return self._failed(row, f"{type(e).__name__}: {e}")
-        timings = {k: _finite(v) for k, v in dict(res.timings or {}).items()}
-        if timings.get("total_s") is None and elapsed is not None:
-            timings["total_s"] = elapsed
-        wav = self.out / f"{row.utt_id}.wav"
-        rec = {**self._base(row), "status": "ok", "wav": wav.name, "sample_rate": sr,
-               "audio_s": round(len(audio) / sr, 6), "tokens": tokens, "chunks": chunks,
-               "prompt_s": round(row.prompt_s, 4), "timings": timings}
+        wav = self.out / rec["wav"]
         try:
-            rec["wav_bytes"] = write_wav_atomic(wav, audio, sr, self.options.wav_subtype, tag=self.tag)
+            rec["wav_bytes"] = write_wav_atomic(wav, audio, rec["sample_rate"], self.options.wav_subtype, tag=self.tag)
         except OSError as e:  # this one file's problem (a full disk is an OutputFault)
             return self._failed(row, f"{type(e).__name__}: {e}")
         try:
@@ -233,12 +202,12 @@ class SynthStage:
         except OutputFault:
             remove_quietly(wav)  # a WAV under its final name always has its ok line
             raise
-        return _result("ok", str(wav), rec["audio_s"], tokens, timings.get("total_s"))
+        return _result("ok", str(wav), rec["audio_s"], rec["tokens"], rec["timings"].get("total_s"))
 
     def _failed(self, row: ManifestRow, reason: str) -> dict[str, Any]:
         reason = reason[:1000]
         log.error("%s (line %d) failed: %s", row.utt_id, row.line, reason)
-        self.ledger.append({**self._base(row), "status": "failed", "reason": reason})
+        self.ledger.append({**base_record(row, self.fp_sha), "status": "failed", "reason": reason})
         return _result("failed", reason=reason)
 
     def _invalid(self, utt_id: Any, line: int, reason: str) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
 import platform
 import re
@@ -36,7 +35,8 @@ from . import __version__
 from .exits import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_exit_code, signal_name
 from .manifest import Manifest, ManifestRow
 from .progress import RunProgress, print_summary, stderr_console
-from .resume import ResumePlan, changed_message, fingerprint_sha, input_key, plan_resume
+from .resume import ResumePlan, changed_message, fingerprint_sha, plan_resume
+from .row_records import base_record, ok_record, one_by_one
 from .sharding import ALL, Shard, select
 from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, read_ledgers,
                      remove_quietly, remove_stale_tmp, wav_size, write_wav_atomic)
@@ -125,28 +125,6 @@ class _Interrupts:
         if self._depth == 0 and self._pending is not None:
             signum, self._pending = self._pending, None
             raise Interrupted(signum)
-
-
-def _finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _check_audio(audio: Any) -> np.ndarray:
-    a = np.asarray(audio)
-    if a.ndim > 1:
-        if sum(d > 1 for d in a.shape) > 1:
-            raise ValueError(f"audio must be mono, got shape {tuple(a.shape)}")
-        a = a.reshape(-1)
-    if a.size == 0:
-        raise ValueError("empty audio (the speech LM stopped before its first speech token)")
-    bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
-    if bad:
-        raise ValueError(f"non-finite audio ({bad} NaN/inf samples)")
-    return a.astype(np.float32, copy=False)
 
 
 def _system_info(synth: Any) -> dict[str, Any]:
@@ -443,13 +421,7 @@ class _Run:
             except Exception as e:  # the engine as a whole broke down (a row's error is an outcome)
                 raise _SynthesizerFailed() from e
             return
-        for row in todo:
-            t0 = time.perf_counter()
-            try:
-                outcome = self.synth.synthesize(row, self.stream)
-            except Exception as e:
-                outcome = e
-            yield row, outcome, time.perf_counter() - t0
+        yield from one_by_one(self.synth, todo, self.stream)
 
     def _commit(self, row: ManifestRow, res: Any, elapsed: float | None, ledger: Ledger,
                 intr: _Interrupts, bar: RunProgress) -> None:
@@ -457,21 +429,12 @@ class _Run:
             self._failed(row, res, ledger, intr, bar)
             return
         try:
-            audio = _check_audio(res.audio)
-            sr = int(res.sample_rate)
-            if sr <= 0:
-                raise ValueError(f"bad sample rate {sr}")
-            tokens, chunks = int(res.tokens), int(res.chunks)
+            rec, audio = ok_record(row, res, elapsed, self.fp_sha)
         except Exception as e:
             self._failed(row, e, ledger, intr, bar)
             return
-        timings = {k: _finite(v) for k, v in dict(res.timings or {}).items()}
-        if timings.get("total_s") is None and elapsed is not None:
-            timings["total_s"] = elapsed
+        sr, tokens, timings = rec["sample_rate"], rec["tokens"], rec["timings"]
         audio_s = len(audio) / sr
-        rec = {**self._base(row), "status": "ok", "wav": f"{row.utt_id}.wav", "sample_rate": sr,
-               "audio_s": round(audio_s, 6), "tokens": tokens, "chunks": chunks,
-               "prompt_s": round(row.prompt_s, 4), "timings": timings}
         with intr.commit():
             try:
                 rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype,
@@ -502,16 +465,12 @@ class _Run:
             remove_quietly(self.out / rec["wav"])
             raise
 
-    def _base(self, row: ManifestRow) -> dict[str, Any]:
-        return {"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": self.fp_sha,
-                "input": input_key(row)}
-
     def _failed(self, row: ManifestRow, e: BaseException, ledger: Ledger, intr: _Interrupts,
                 bar: RunProgress) -> None:
         reason = f"{type(e).__name__}: {e}"[:1000]
         log.error("%s (line %d) failed: %s", row.utt_id, row.line, reason)
         log.debug("%s", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-        rec = {**self._base(row), "status": "failed", "reason": reason}
+        rec = {**base_record(row, self.fp_sha), "status": "failed", "reason": reason}
         with intr.commit():
             ledger.append(rec)
             self.counts["failed"] += 1

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import random
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence

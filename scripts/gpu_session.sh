@@ -30,15 +30,15 @@ prof() {  # tag profile concurrency prompts warmups [extra...]
 for step in "$@"; do
   case $step in
     tests) setup; log "pytest -m gpu"
-      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
+      COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip" "$OUT/gpu_tests.txt" | tail -30 ;;
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
         --full-jobs 32,64 --stream-rows 32 --reps 2 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
     hift) log "bench_hift"
-      timeout 300 python3 scripts/bench_hift.py --json "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
+      timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"
-      timeout 300 python3 scripts/bench_frontend.py --model $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
+      timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;

@@ -28,7 +28,7 @@ LAYERS = {
     "cosybatch.timeline": (4, None), "cosybatch.serving": (4, None), "cosybatch.pipeline": (4, None),
     # 5: running jobs: rows, resume, shards, workers, benchmarks, the command line
     **{f"cosybatch.{m}": (5, None) for m in ("runner", "resume", "sharding", "merge", "check", "progress", "bench",
-                                            "workload", "multi", "worker", "ray", "ray_cli", "ray_stage",
+                                            "workload", "multi", "worker", "ray", "ray_cli", "ray_stage", "row_records",
                                             "synth_options", "cli", "__main__")},
 }
 

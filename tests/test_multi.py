@@ -19,38 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from click.testing import CliRunner
 
-from cosybatch.cli import cli
 from cosybatch.manifest import read_manifest
 from cosybatch.multi import DevicesError, plan_slots, run_workers
 from cosybatch.sharding import Shard, balance, estimated_cost, select
 from cosybatch.synth_options import SynthOptions
 from fake_synth import expected_audio, make_manifest
+from out_dirs import invoke, ok_counts, records
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 FAKE = ["--synthesizer", "fake_synth:build"]
 CPU2 = ["--device", "cpu", "--workers", "2"]
-
-
-def _invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
-def _records(out: Path) -> list[dict]:
-    recs = []
-    for p in sorted(out.glob("ledger*.jsonl")):
-        recs += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-    return recs
-
-
-def _ok_counts(out: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in _records(out):
-        if r.get("event") == "row" and r["status"] == "ok":
-            counts[r["utt_id"]] = counts.get(r["utt_id"], 0) + 1
-    return counts
 
 
 # ---- where workers run ------------------------------------------------------------------
@@ -94,15 +74,15 @@ def test_rows_left_are_balanced_and_every_worker_owns_its_own(tmp_path):
 def test_two_workers_write_what_one_process_writes_and_merge(tmp_path):
     man = make_manifest(tmp_path, 8)
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _invoke("synth", man, "--out", one, *FAKE, "--wav-subtype", "FLOAT").exit_code == 0
-    res = _invoke("synth", man, "--out", two, *FAKE, *CPU2, "--wav-subtype", "FLOAT")
+    assert invoke("synth", man, "--out", one, *FAKE, "--wav-subtype", "FLOAT").exit_code == 0
+    res = invoke("synth", man, "--out", two, *FAKE, *CPU2, "--wav-subtype", "FLOAT")
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in two.glob("ledger*")) == ["ledger.shard-0-of-2.jsonl", "ledger.shard-1-of-2.jsonl"]
     wavs = sorted(p.name for p in one.glob("*.wav"))
     assert wavs == sorted(p.name for p in two.glob("*.wav")) and len(wavs) == 8
     for name in wavs:
         np.testing.assert_array_equal(sf.read(str(one / name))[0], sf.read(str(two / name))[0])
-    assert _ok_counts(two) == {f"u{i}": 1 for i in range(8)}
+    assert ok_counts(two) == {f"u{i}": 1 for i in range(8)}
     rows_of = [{r["utt_id"] for r in _records_of(p) if r.get("event") == "row"} for p in sorted(two.glob("ledger*"))]
     assert all(len(ids) >= 2 for ids in rows_of) and not rows_of[0] & rows_of[1]  # both worked, apart
     merged = json.loads((two / "timing.json").read_text())
@@ -110,9 +90,9 @@ def test_two_workers_write_what_one_process_writes_and_merge(tmp_path):
     assert (merged["totals"]["ok"], merged["totals"]["failed"], merged["totals"]["shards"]) == (8, 0, 2)
     assert "rows ok" in res.stderr and "(2 workers)" in res.stderr
     # Re-running the same command redoes nothing: one worker only checks the settings.
-    res = _invoke("synth", man, "--out", two, *FAKE, *CPU2, "--wav-subtype", "FLOAT")
+    res = invoke("synth", man, "--out", two, *FAKE, *CPU2, "--wav-subtype", "FLOAT")
     assert res.exit_code == 0 and "8 row(s) already done, 0 to go" in res.stderr
-    assert res.stderr.count("row(s) to do") == 1 and _ok_counts(two) == {f"u{i}": 1 for i in range(8)}
+    assert res.stderr.count("row(s) to do") == 1 and ok_counts(two) == {f"u{i}": 1 for i in range(8)}
 
 
 def _records_of(path: Path) -> list[dict]:
@@ -124,10 +104,10 @@ def test_one_launcher_per_node_shard_shares_an_out_folder(tmp_path):
     man = make_manifest(tmp_path, 9)
     out = tmp_path / "out"
     for k in range(2):
-        assert _invoke("synth", man, "--out", out, *FAKE, *CPU2, "--shard", f"{k}/2", "-q").exit_code == 0
+        assert invoke("synth", man, "--out", out, *FAKE, *CPU2, "--shard", f"{k}/2", "-q").exit_code == 0
     assert sorted(p.name for p in out.glob("ledger*")) == [f"ledger.shard-{i}-of-4.jsonl" for i in range(4)]
-    assert _ok_counts(out) == {f"u{i}": 1 for i in range(9)}
-    res = _invoke("merge", out)
+    assert ok_counts(out) == {f"u{i}": 1 for i in range(9)}
+    res = invoke("merge", out)
     assert res.exit_code == 0, res.stderr
     merged = json.loads((out / "timing.json").read_text())
     assert merged["complete"] is True and merged["totals"]["shards"] == 4 and merged["totals"]["ok"] == 9
@@ -213,7 +193,7 @@ def test_a_killed_worker_fails_only_its_rows_and_a_rerun_finishes_them(tmp_path)
     err = err.decode()
     assert proc.returncode == 1, err
     assert "worker 1 (cpu#1) was killed by SIGKILL" in err and "the other workers go on" in err
-    rows = {r["utt_id"]: r for r in _records(out) if r.get("event") == "row"}
+    rows = {r["utt_id"]: r for r in records(out) if r.get("event") == "row"}
     assert len(rows) == 10  # every row accounted for: ok, or failed with the reason
     failed = {u for u, r in rows.items() if r["status"] == "failed"}
     assert failed and all("killed by SIGKILL before finishing this row" in rows[u]["reason"] for u in failed)
@@ -223,7 +203,7 @@ def test_a_killed_worker_fails_only_its_rows_and_a_rerun_finishes_them(tmp_path)
     res = subprocess.run(_spawn_cmd(man, out, calls), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert set(calls.read_text().split()) == failed  # nothing finished was redone
-    assert _ok_counts(out) == {f"u{i}": 1 for i in range(10)}
+    assert ok_counts(out) == {f"u{i}": 1 for i in range(10)}
     texts = {line.split("|")[0]: line.split("|")[3] for line in man.read_text().splitlines()}
     for wav in out.glob("*.wav"):
         np.testing.assert_array_equal(sf.read(str(wav), dtype="float32")[0], expected_audio(wav.stem, texts[wav.stem]))
@@ -243,7 +223,7 @@ def test_a_signal_to_the_parent_stops_every_worker_cleanly(tmp_path, sig):
     man = make_manifest(tmp_path, 12)
     out, calls = tmp_path / "out", tmp_path / "calls.txt"
     proc = _spawn(man, out, calls, sleep=0.2)
-    _wait(lambda: sum(_ok_counts(out).values()) >= 2 if out.exists() else False, proc)
+    _wait(lambda: sum(ok_counts(out).values()) >= 2 if out.exists() else False, proc)
     pids = _worker_pids(out)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -252,25 +232,25 @@ def test_a_signal_to_the_parent_stops_every_worker_cleanly(tmp_path, sig):
     for part in out.glob("ledger.shard-*.jsonl"):
         last = _records_of(part)[-1]  # each worker ended its own ledger (every line parses)
         assert last["event"] == "run_end" and last["interrupted"] is True
-    done_before = set(_ok_counts(out))
+    done_before = set(ok_counts(out))
     assert 2 <= len(done_before) < 12 and "rows ok" not in err.decode()  # -q: no summary
 
     calls.write_text("")
     res = subprocess.run(_spawn_cmd(man, out, calls), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert set(calls.read_text().split()) == {f"u{i}" for i in range(12)} - done_before
-    assert _ok_counts(out) == {f"u{i}": 1 for i in range(12)}
+    assert ok_counts(out) == {f"u{i}": 1 for i in range(12)}
     assert not [p.name for p in out.iterdir() if ".cbtmp" in p.name]
 
 
 def test_a_setting_changed_since_the_first_run_stops_every_worker(tmp_path):
     man = make_manifest(tmp_path, 3)
     out = tmp_path / "out"
-    assert _invoke("synth", man, "--out", out, *FAKE).exit_code == 0
-    res = _invoke("synth", man, "--out", out, *FAKE, *CPU2, "--set", "freq=300")
+    assert invoke("synth", man, "--out", out, *FAKE).exit_code == 0
+    res = invoke("synth", man, "--out", out, *FAKE, *CPU2, "--set", "freq=300")
     assert res.exit_code == 2 and "refusing to mix outputs" in res.stderr  # not "all done"
     (out / "u1.wav").unlink()
-    res = _invoke("synth", man, "--out", out, *FAKE, *CPU2, "--set", "freq=300")
+    res = invoke("synth", man, "--out", out, *FAKE, *CPU2, "--set", "freq=300")
     assert res.exit_code == 2 and "refusing to mix outputs" in res.stderr
     assert res.stderr.count("refusing to mix outputs") == 1  # reported once, not once per worker
     assert not (out / "u1.wav").exists()
@@ -283,7 +263,7 @@ def _audio(out: Path) -> dict[str, np.ndarray]:
 
 
 def _tokens(out: Path) -> dict[str, int]:
-    return {r["utt_id"]: r["tokens"] for r in _records(out) if r.get("event") == "row" and r["status"] == "ok"}
+    return {r["utt_id"]: r["tokens"] for r in records(out) if r.get("event") == "row" and r["status"] == "ok"}
 
 
 def _short_rows(fixtures_dir: Path, folder: Path) -> Path:
@@ -308,21 +288,21 @@ def test_reference_workers_equal_one_process_exactly_even_after_a_worker_is_kill
         tmp_path, fixtures_dir, model_dir, one_thread, monkeypatch):
     man = _short_rows(fixtures_dir, tmp_path)
     args = ["--model", model_dir, "--profile", "reference", "--wav-subtype", "FLOAT", "-q"]
-    assert _invoke("synth", man, "--out", tmp_path / "one", "--device", "cpu", *args).exit_code == 0
+    assert invoke("synth", man, "--out", tmp_path / "one", "--device", "cpu", *args).exit_code == 0
     out = tmp_path / "two"
     _same_threads_in_workers(monkeypatch)
     monkeypatch.setenv("MULTI_TEST_VICTIM", "utt3")  # SIGKILLed when its audio is ready, before it is written
     monkeypatch.setenv("MULTI_TEST_MARKER", str(tmp_path / "killed"))
     workers = [*CPU2, *args, "--synthesizer", "multi_synth:real"]
-    res = _invoke("synth", man, "--out", out, *workers)
+    res = invoke("synth", man, "--out", out, *workers)
     assert res.exit_code == 1 and (tmp_path / "killed").exists() and "was killed by SIGKILL" in res.stderr
-    failed = {r["utt_id"] for r in _records(out) if r.get("event") == "row" and r["status"] == "failed"}
-    done_before = set(_ok_counts(out))
+    failed = {r["utt_id"] for r in records(out) if r.get("event") == "row" and r["status"] == "failed"}
+    done_before = set(ok_counts(out))
     assert "utt3" in failed and done_before and not failed & done_before
 
-    res = _invoke("synth", man, "--out", out, *workers)  # the re-run resumes (and nobody dies this time)
+    res = invoke("synth", man, "--out", out, *workers)  # the re-run resumes (and nobody dies this time)
     assert res.exit_code == 0, res.stderr
-    assert _ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}  # nothing done twice
+    assert ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}  # nothing done twice
     one, two = _audio(tmp_path / "one"), _audio(out)
     assert list(one) == list(two)
     for utt in one:
@@ -336,9 +316,9 @@ def test_reference_workers_equal_one_process_exactly_even_after_a_worker_is_kill
 def test_default_profile_two_workers_match_one_process(tmp_path, fixtures_dir, model_dir, one_thread, monkeypatch):
     man = _short_rows(fixtures_dir, tmp_path)
     args = ["--model", model_dir, "--wav-subtype", "FLOAT", "-q"]
-    assert _invoke("synth", man, "--out", tmp_path / "one", "--device", "cpu", *args).exit_code == 0
+    assert invoke("synth", man, "--out", tmp_path / "one", "--device", "cpu", *args).exit_code == 0
     _same_threads_in_workers(monkeypatch)
-    res = _invoke("synth", man, "--out", tmp_path / "two", *CPU2, *args, "--synthesizer", "multi_synth:real")
+    res = invoke("synth", man, "--out", tmp_path / "two", *CPU2, *args, "--synthesizer", "multi_synth:real")
     assert res.exit_code == 0, res.stderr
     one, two = _audio(tmp_path / "one"), _audio(tmp_path / "two")
     assert list(one) == list(two) and len(one) == 4

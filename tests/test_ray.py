@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from click.testing import CliRunner
 
-from cosybatch.cli import cli
 from fake_synth import expected_audio, make_manifest
+from out_dirs import invoke, ok_counts, records
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -82,25 +81,6 @@ def _ray_processes() -> set[tuple[int, str]]:
     return found
 
 
-def _invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
-def _records(out: Path) -> list[dict]:
-    recs = []
-    for p in sorted(out.glob("ledger*.jsonl")):
-        recs += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-    return recs
-
-
-def _ok_counts(out: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in _records(out):
-        if r.get("event") == "row" and r["status"] == "ok":
-            counts[r["utt_id"]] = counts.get(r["utt_id"], 0) + 1
-    return counts
-
-
 def _short_rows(fixtures_dir: Path, folder: Path) -> Path:
     lines = [line.replace("|p", f"|{fixtures_dir / 'prompts'}/p", 1)
              for line in (fixtures_dir / "prompts" / "meta.lst").read_text().splitlines() if "paragraph" not in line]
@@ -112,23 +92,23 @@ def test_ray_on_the_tiny_checkpoint_writes_what_one_process_writes(local_ray, tm
                                                                   one_thread):
     man = _short_rows(fixtures_dir, tmp_path)
     args = ["--model", model_dir, "--profile", "reference", "--wav-subtype", "FLOAT", "--device", "cpu", "-q"]
-    assert _invoke("synth", man, "--out", tmp_path / "one", *args).exit_code == 0
+    assert invoke("synth", man, "--out", tmp_path / "one", *args).exit_code == 0
     out = tmp_path / "ray"
-    res = _invoke("synth", man, "--out", out, *args, "--ray", "--synthesizer", "multi_synth:real")
+    res = invoke("synth", man, "--out", out, *args, "--ray", "--synthesizer", "multi_synth:real")
     assert res.exit_code == 0, res.stderr
     for wav in sorted((tmp_path / "one").glob("*.wav")):
         np.testing.assert_array_equal(sf.read(str(wav))[0], sf.read(str(out / wav.name))[0], err_msg=wav.name)
-    tokens = lambda o: {r["utt_id"]: r["tokens"] for r in _records(o) if r.get("event") == "row"}  # noqa: E731
+    tokens = lambda o: {r["utt_id"]: r["tokens"] for r in records(o) if r.get("event") == "row"}  # noqa: E731
     assert tokens(tmp_path / "one") == tokens(out) and len(tokens(out)) == 4
-    assert _ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}
+    assert ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}
     assert list(out.glob("ledger.ray-*.jsonl")) and (out / "ledger.ray.jsonl").exists()
     merged = json.loads((out / "timing.json").read_text())
     assert merged["merged"] is True and merged["totals"]["ok"] == 4 and merged["complete"] is True
     # The same OUT, resumed: by --ray (nothing is scheduled) and by plain synth (same layout).
-    res = _invoke("synth", man, "--out", out, *args, "--ray")
+    res = invoke("synth", man, "--out", out, *args, "--ray")
     assert res.exit_code == 0
-    assert _invoke("synth", man, "--out", out, *args).exit_code == 0
-    assert _ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}
+    assert invoke("synth", man, "--out", out, *args).exit_code == 0
+    assert ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}
 
 
 def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, tmp_path, monkeypatch):
@@ -148,27 +128,27 @@ def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, t
     monkeypatch.setattr(ray_cli.RayRun, "_result", ctrl_c_after_two)
     args = ["synth", man, "--out", out, *FAKE, "--device", "cpu", "--wav-subtype", "FLOAT", "-q", "--ray",
             "--set", f"calls={calls}"]
-    res = _invoke(*args, "--set", "sleep=0.3")
+    res = invoke(*args, "--set", "sleep=0.3")
     assert res.exit_code == 130, res.stderr
-    done_before = set(_ok_counts(out))
+    done_before = set(ok_counts(out))
     assert 2 <= len(done_before) < 10
     time.sleep(1.0)
-    assert set(_ok_counts(out)) == done_before  # the interrupted run's actors were stopped, not left writing
-    end = [r for r in _records(out) if r.get("event") == "run_end"]
+    assert set(ok_counts(out)) == done_before  # the interrupted run's actors were stopped, not left writing
+    end = [r for r in records(out) if r.get("event") == "run_end"]
     assert end[-1]["interrupted"] is True and end[-1]["pending"] == 10 - end[-1]["ok"]
 
     monkeypatch.setattr(ray_cli.RayRun, "_result", real)
     calls.write_text("")
-    res = _invoke(*args)
+    res = invoke(*args)
     assert res.exit_code == 0, res.stderr
     assert set(calls.read_text().split()) == {f"u{i}" for i in range(10)} - done_before
-    assert _ok_counts(out) == {f"u{i}": 1 for i in range(10)}  # none done twice
+    assert ok_counts(out) == {f"u{i}": 1 for i in range(10)}  # none done twice
     texts = {line.split("|")[0]: line.split("|")[3] for line in man.read_text().splitlines()}
     for wav in out.glob("*.wav"):
         np.testing.assert_array_equal(sf.read(str(wav), dtype="float32")[0], expected_audio(wav.stem, texts[wav.stem]))
     assert not [p.name for p in out.iterdir() if ".cbtmp" in p.name]
     # Nothing is left to do, yet other settings are refused, not met with "all done".
-    res = _invoke(*args, "--set", "freq=300")
+    res = invoke(*args, "--set", "freq=300")
     assert res.exit_code == 2 and "refusing to mix outputs" in res.stderr
 
 
@@ -193,7 +173,7 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_and_keeps_what_it_wrote(loc
 
     watcher = threading.Thread(target=kill_an_actor_after_its_first_row, daemon=True)
     watcher.start()
-    res = _invoke("synth", man, "--out", out, *FAKE, "--device", "cpu", "-q", "--ray", "--set", "sleep=0.3",
+    res = invoke("synth", man, "--out", out, *FAKE, "--device", "cpu", "-q", "--ray", "--set", "sleep=0.3",
                   "--set", f"calls={calls}")
     watcher.join(5)
     assert killed and res.exit_code == 0, res.stderr
@@ -201,7 +181,7 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_and_keeps_what_it_wrote(loc
     # incarnation returned the rows its predecessor had committed instead of redoing them.
     starts = [json.loads(x) for x in killed[0].read_text().splitlines() if '"run_start"' in x]
     assert [s["restarted"] for s in starts] == [False, True] and starts[0]["pid"] != starts[1]["pid"]
-    assert _ok_counts(out) == {f"u{i}": 1 for i in range(12)}
+    assert ok_counts(out) == {f"u{i}": 1 for i in range(12)}
     assert len(calls.read_text().split()) <= 12 + 2  # at most the rows in flight at the kill were redone
 
 
@@ -228,11 +208,11 @@ def test_synthesize_api_returns_one_result_row_per_input_row(local_ray, tmp_path
     # Again: what OUT holds is skipped, not redone.
     again = {r["utt_id"]: r["status"] for r in cray.synthesize(ray.data.from_items(rows), **kw).take_all()}
     assert again == {"u0": "skipped", "u1": "skipped", "u2": "skipped", "bad": "invalid"}
-    assert _ok_counts(out) == {"u0": 1, "u1": 1, "u2": 1}
+    assert ok_counts(out) == {"u0": 1, "u1": 1, "u2": 1}
     # Other settings on the same OUT: refused before anything is written.
     with pytest.raises(Exception, match="refusing to mix outputs"):
         cray.synthesize(ray.data.from_items(rows), overrides=["freq=300"], **kw).take_all()
-    assert _ok_counts(out) == {"u0": 1, "u1": 1, "u2": 1}
+    assert ok_counts(out) == {"u0": 1, "u1": 1, "u2": 1}
 
 
 def test_without_ray_the_option_says_how_to_install_it(tmp_path):

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
-from importlib import resources
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
-from cosybatch.profiles.schema import (DEFAULTS, GROUPS, LEAVES, NOT_SETTABLE, RANGES, ARProfile, CodecProfile,
-                                      HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile,
+from cosybatch.profiles.schema import (DEFAULTS, GROUPS, LEAVES, NOT_SETTABLE, RANGES, Profile, ProfileError,
                                       check_requires, check_value, cross_check, flatten, fmt, got, unknown_key)
 
 log = logging.getLogger("cosybatch.profiles")
