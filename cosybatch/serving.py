@@ -150,8 +150,10 @@ class FastPipeline:
         t0 = time.perf_counter()
         progressed = self._admit()
         progressed |= self._take_audio(wait=False)
-        ar = self._launch_ar()
-        progressed |= ar
+        progressed |= self._launch_ar()
+        # An AR step is queued (launched now, or run ahead by the last collect): the codec's
+        # slices then share the iteration with it and keep to the budget.
+        ar = self.engine.in_flight
         progressed |= self.codec.run(time.perf_counter(), ar, self._deadline)
         self._bound_queue()
         if self.engine.in_flight:
