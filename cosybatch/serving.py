@@ -30,7 +30,7 @@ from cosybatch.codec.flow_runner import FlowJob, FlowRunner
 from cosybatch.codec.hift_runner import HiftRunner
 from cosybatch.codec.hops import Chunk, HopSchedule, SegmentPlanner
 from cosybatch.engine.llm_engine import LLMEngine
-from cosybatch.engine.request import SamplingParams
+from cosybatch.engine.request import RequestFailed, SamplingParams
 from cosybatch.hostcopy import h2d
 from cosybatch.profiles.resolve import RunSettings
 from cosybatch.prompt import PromptFeatures
@@ -282,7 +282,11 @@ class FastPipeline:
         t = self.acct.start(kind)
         try:
             launched = self.engine.launch()
-        except Exception as e:  # e.g. out of memory in a prefill: fail the rows it held, keep going
+        except RequestFailed as e:  # the engine dropped that one request and goes on
+            self.acct.cancel(t)
+            self._fail_request(e)
+            return True
+        except Exception as e:  # anything else leaves the engine's rows unknown: fail them
             self.acct.end(t)
             self._engine_failed(e)
             return True
@@ -313,6 +317,12 @@ class FastPipeline:
             row.generated += len(out.new_raw_tokens)
             row.llm_done = row.llm_done or out.finished
             self._plan_hops(row)
+
+    def _fail_request(self, e: RequestFailed) -> None:
+        log.error("%s", e)
+        row = self._rows.get(_row_id(e.request_id))
+        if row is not None:
+            self._fail(row, e)
 
     def _engine_failed(self, e: Exception) -> None:
         log.error("AR engine step failed (%s: %s); failing the rows it was decoding", type(e).__name__, e)

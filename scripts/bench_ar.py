@@ -47,7 +47,7 @@ def run_batch(eng: LLMEngine, b: int, gen: int, cfg: LLMConfig) -> dict:
     for r in reqs:
         eng.add_request(**r)
     st = eng.stats
-    pre_tok, pre_s, pre_n, steps = st.prefill_tokens, st.prefill_s, st.prefill_steps, []
+    pre_tok, pre_s, steps = st.prefill_tokens, st.prefill_s, []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     while eng.has_unfinished():

@@ -213,6 +213,52 @@ def test_more_requests_than_kv_capacity(lm, segments):
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.capacity
 
 
+def _oom_prefill(eng, when):
+    """Make the runner's prefill raise out-of-memory whenever ``when(seqs)`` holds."""
+    real, calls = eng.runner.prefill_launch, []
+
+    def prefill_launch(seqs):
+        calls.append(len(seqs))
+        if when(seqs):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real(seqs)
+
+    eng.runner.prefill_launch = prefill_launch
+    return calls
+
+
+def test_prefill_out_of_memory_backs_off_and_keeps_tokens(lm, segments):
+    reqs = [req for _, req, _, _ in segments]
+    want = [raw for _, _, raw, _ in segments]
+    eng = _engine(lm, max_num_seqs=8)
+    calls = _oom_prefill(eng, lambda seqs: len(seqs) > 1)  # only single-request prefills fit
+    got = _run_together(eng, reqs, list(range(len(reqs))))
+    assert got == want  # the undone admissions were re-run from scratch, in arrival order
+    # each failure halves the prefill's tokens until single requests go through: 6, 3, 1, 1, ...
+    assert calls[0] == len(reqs) and calls == sorted(calls, reverse=True) and calls.count(1) == len(reqs)
+    assert eng.scheduler.max_prefill_tokens < EngineConfig().max_prefill_tokens
+    assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.capacity
+
+
+def test_request_that_cannot_prefill_alone_fails_alone(lm, segments):
+    from cosybatch.engine.request import RequestFailed
+
+    reqs = [req for _, req, _, _ in segments]
+    eng = _engine(lm, max_num_seqs=8)
+    _oom_prefill(eng, lambda seqs: len(seqs) > 1 or seqs[0].request_id == "r0")
+    for i, r in enumerate(reqs):
+        eng.add_request(**r, request_id=f"r{i}")
+    failed = []
+    while eng.has_unfinished():
+        try:
+            eng.step()
+        except RequestFailed as e:
+            failed.append(e.request_id)
+    assert failed == ["r0"] and "r0" not in eng.seqs
+    assert [eng.seqs[f"r{i}"].tokens for i in range(1, len(reqs))] == [raw for _, _, raw, _ in segments[1:]]
+    assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.capacity
+
+
 def test_request_too_long_is_refused(lm, segments):
     eng = _engine(lm, max_num_seqs=2, max_model_len=256)
     with pytest.raises(ValueError):

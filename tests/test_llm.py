@@ -73,7 +73,7 @@ def test_teacher_forced_parity(lm, tf):
 
 
 def test_prompt_embeds_layout(lm, tf):
-    ids, sp = tf["input_ids"], tf["input_is_speech"]
+    ids = tf["input_ids"]
     task = int((ids == lm.cfg.task_id).nonzero()[0])
     n_gen = tf["logits_from_first_prediction"].shape[0] - 1
     text, prompt = ids[1:task], ids[task + 1: len(ids) - n_gen]

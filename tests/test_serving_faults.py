@@ -121,6 +121,26 @@ def test_engine_failure_fails_decoding_rows_and_frees_them(parts, fixtures_dir):
     assert ends["again"].kind == "done"
 
 
+def test_row_too_big_to_prefill_fails_alone(parts, fixtures_dir):
+    """Out of memory in prefills: the engine backs off, and the row that cannot be prefilled even
+    alone fails by itself; the others finish."""
+    rows = _rows(fixtures_dir)
+    pipe = _pipe(parts)
+    real = pipe.engine.runner.prefill_launch
+    doomed = rows[0].utt_id
+
+    def prefill_launch(seqs):
+        if len(seqs) > 1 or seqs[0].request_id.startswith(doomed + "#"):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real(seqs)
+
+    pipe.engine.runner.prefill_launch = prefill_launch
+    _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows[:3]])
+    assert ends[doomed].kind == "error" and "out of GPU memory" in ends[doomed].error
+    assert all(ends[r.utt_id].kind == "done" for r in rows[1:3])
+    assert not pipe.engine.has_unfinished() and not pipe.engine.seqs
+
+
 def test_row_seed_does_not_depend_on_position(parts, fixtures_dir):
     """Stochastic sampling: a row's tokens depend on its utt_id, not on its request id or order."""
     rows = _rows(fixtures_dir)[:3]

@@ -13,6 +13,7 @@ grows; ``Sequence.tokens`` keeps the raw ids the LM conditioned on.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,10 +22,12 @@ import torch
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import BlockAllocator
 from cosybatch.engine.model_runner import ModelRunner
-from cosybatch.engine.request import (RequestOutput, SamplingParams, Sequence, SeqStatus, TokenCallback,
-                                      as_int_list, length_limits)
+from cosybatch.engine.request import (RequestFailed, RequestOutput, SamplingParams, Sequence, SeqStatus,
+                                      TokenCallback, as_int_list, length_limits)
 from cosybatch.engine.scheduler import Scheduler, StepPlan
 from cosybatch.models.speech_lm import CosyVoice3LM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,9 +133,33 @@ class LLMEngine:
         if plan.kind == "decode":
             self.runner.decode_launch(plan.seqs)
         else:
-            self.runner.prefill_launch(plan.seqs)
+            try:
+                self.runner.prefill_launch(plan.seqs)
+            except torch.OutOfMemoryError:
+                self._prefill_out_of_memory(plan.seqs)
+                return False
         self._inflight = (plan, t0)
         return True
+
+    def _prefill_out_of_memory(self, seqs: list[Sequence]) -> None:
+        """A prefill's activations did not fit: undo the admission and retry with half the
+        tokens per prefill (kept lowered: the memory will be as tight next time). A request
+        too long to prefill even alone is dropped with ``RequestFailed``; the rest go on."""
+        for s in seqs:
+            self.runner.unbind(s.row)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(seqs) == 1:
+            seq = seqs[0]
+            self._finish(seq, "error", register=True, announce=False)
+            self.seqs.pop(seq.request_id, None)
+            raise RequestFailed(seq.request_id, f"out of GPU memory in the prefill of its "
+                                                f"{seq.prompt_len} prompt tokens")
+        self.scheduler.unadmit(seqs)
+        tokens = sum(s.prompt_len for s in seqs)
+        self.scheduler.max_prefill_tokens = max(1, min(self.scheduler.max_prefill_tokens, tokens) // 2)
+        log.warning("out of GPU memory in a prefill of %d requests (%d tokens): retrying with at "
+                    "most %d prompt tokens per prefill", len(seqs), tokens, self.scheduler.max_prefill_tokens)
 
     @property
     def in_flight(self) -> bool:

@@ -19,6 +19,14 @@ from cosybatch.sampling import SilentFilter
 TokenCallback = Callable[[str, list, bool], None]
 
 
+class RequestFailed(RuntimeError):
+    """One request could not be run (and was dropped); the engine and its other requests go on."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id}: {reason}")
+        self.request_id = request_id
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``mode="ras"``: the official repetition-aware sampler (nucleus top_p/top_k, window

@@ -71,6 +71,18 @@ class Scheduler:
             return StepPlan("decode", list(self.running))
         return None
 
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Undo the admission of ``seqs`` (the newest running rows, in admission order): they go
+        back to the head of the queue in the same order, their blocks are freed."""
+        for seq in reversed(seqs):
+            assert self.running and self.running[-1] is seq, "only the newest admissions can be undone"
+            self.running.pop()
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+            seq.row = -1
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence) -> tuple[int, int] | None:
         """Release seq's blocks and row. Returns (src, dst) if the last row moved into its hole."""
         row = seq.row
