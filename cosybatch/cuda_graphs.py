@@ -1,4 +1,4 @@
-"""One way to capture a CUDA graph, shared by the AR engine and the codec's graph caches.
+"""One way to capture CUDA graphs, shared by the AR engine and the codec's graph caches.
 
 Capture runs on a side stream in thread-local error mode after a warm-up (lazy kernel
 initialisation and autotuning must not happen inside the capture). A failed capture leaves
@@ -38,6 +38,35 @@ def capture_graph(fn: Callable[[], Any], *, pool=None, stream: "torch.cuda.Strea
         _unpoison_cuda_rng()
         raise
     return graph, out
+
+
+class GraphPool:
+    """Graphs captured one after another on one side stream, sharing one memory pool.
+
+    Sharing is safe when the graphs are replayed one at a time on one stream and none keeps
+    memory of the pool in use past its replay (its inputs live outside the pool, its outputs
+    are read or copied before the next replay). After a failed capture the stream and pool are
+    replaced, so a half-finished capture cannot leak into the next one. ``share=False``: each
+    graph gets its own pool.
+    """
+
+    def __init__(self, share: bool = True):
+        self.share = share
+        self._pool = None
+        self._stream = None
+
+    def capture(self, fn: Callable[[], Any], warmup: int = 1) -> tuple["torch.cuda.CUDAGraph", Any]:
+        """``capture_graph`` into this pool: (graph, fn's output inside the graph's memory)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        try:
+            graph, out = capture_graph(fn, pool=self._pool, stream=self._stream, warmup=warmup)
+        except BaseException:
+            self._pool = self._stream = None
+            raise
+        if self.share and self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
 
 
 def _unpoison_cuda_rng() -> None:

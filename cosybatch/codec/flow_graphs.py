@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 
 from cosybatch.codec.flow_step import StepBuffers
+from cosybatch.cuda_graphs import GraphPool
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +61,12 @@ class _Entry:
     nbytes: int = 0
 
 
-class CudaCapture:
-    """``torch.cuda`` graphs sharing one memory pool: safe because replays run one after
-    another on one stream and a step keeps nothing allocated in the pool past its end."""
-
-    def __init__(self):
-        self.pool = None
-        self.stream = None
+class CudaCapture(GraphPool):
+    """A ``Capture`` of ``torch.cuda`` graphs in one shared pool: safe because replays run one
+    after another on one stream and a step keeps nothing allocated in the pool past its end."""
 
     def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
-        from cosybatch.cuda_graphs import capture_graph
-
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        try:
-            graph, _ = capture_graph(fn, pool=self.pool, stream=self.stream)
-        except BaseException:
-            self.pool = self.stream = None  # a half-finished capture must not leak into the next
-            raise
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, _ = self.capture(fn)
         return graph.replay
 
 

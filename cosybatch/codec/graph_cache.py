@@ -28,7 +28,7 @@ from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 import torch
 
-from cosybatch.cuda_graphs import capture_graph
+from cosybatch.cuda_graphs import GraphPool
 
 log = logging.getLogger(__name__)
 
@@ -80,37 +80,23 @@ class _CudaCaptured:
 class CudaGraphBackend:
     """``torch.cuda.graph`` capture on a private side stream, in thread-local error mode.
 
-    All graphs share one memory pool (sharing is safe here: replays are sequential on
-    one stream, inputs live outside the pool, and every output is cloned right after its
-    replay). After a failed capture the stream and pool are replaced, so a half-finished
-    capture cannot leak into the next one.
+    All graphs share one ``GraphPool`` (sharing is safe here: replays are sequential on one
+    stream, inputs live outside the pool, and every output is cloned right after its replay).
     """
 
     def __init__(self, warmup: int = 1, share_pool: bool = True) -> None:
         self.warmup = warmup
-        self.share_pool = share_pool
-        self._stream = None
-        self._pool = None
+        self._graphs = GraphPool(share=share_pool)
 
     def capture(self, fn: Fn, inputs: Sequence[torch.Tensor]) -> _CudaCaptured:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
         static_inputs = [x.clone() for x in inputs]  # ordinary allocations, not the pool
         run = lambda: fn(*static_inputs)  # noqa: E731
-        try:
-            for _ in range(self.warmup):  # before measuring, so the pool's growth is the graph's own
-                run()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved()
-            graph, out = capture_graph(run, pool=self._pool if self.share_pool else None, stream=self._stream,
-                                       warmup=0)
-        except BaseException:
-            self._stream = None
-            self._pool = None
-            raise
-        if self.share_pool and self._pool is None:
-            self._pool = graph.pool()
+        for _ in range(self.warmup):  # before measuring, so the pool's growth is the graph's own
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        graph, out = self._graphs.capture(run, warmup=0)
         delta = max(0, torch.cuda.memory_reserved() - before)
         return _CudaCaptured(graph, static_inputs, out, delta)
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from cosybatch.cuda_graphs import capture_graph
+from cosybatch.cuda_graphs import GraphPool
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
 from cosybatch.engine.request import Sequence
@@ -86,7 +86,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_modes: dict[int, str] = {}
         self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
-        self.graph_pool = None
+        self._graph_pool = GraphPool()  # buckets captured largest first: the smaller reuse its memory
         if cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable:
             self.capture_graphs()
 
@@ -251,9 +251,7 @@ class ModelRunner:
         else:
             buf = torch.empty(b, self.vocab_padded, dtype=torch.float32, device=self.device)
             fn = lambda: buf.copy_(self.executor.decode(b))  # noqa: E731
-        g, _ = capture_graph(fn, pool=self.graph_pool)  # warms this exact shape up first
-        if self.graph_pool is None:
-            self.graph_pool = g.pool()
+        g, _ = self._graph_pool.capture(fn)  # warms this exact shape up first
         self.graphs[b] = g
         if mode == "forward":
             self._logit_bufs[b] = buf
