@@ -80,10 +80,6 @@ def left_context(hift: CausalHiFTGenerator) -> tuple[int, int]:
     return f0_ctx, int(math.ceil(total)) + 1
 
 
-def _to_device(values: list[int], device) -> torch.Tensor:
-    return h2d(torch.tensor(values), device=device)  # no wait for the queued GPU work
-
-
 def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -> torch.Tensor:
     """Running phase (cycles, float64 [B, W, H]) of per-frame increments ``rad`` [B, W, H].
 
@@ -94,7 +90,7 @@ def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -
     so the phase is bit-identical there (on CUDA both are parallel scans: ~1 ulp).
     """
     dev = rad.device
-    start = _to_device(list(first), dev).unsqueeze(1)
+    start = h2d(list(first), torch.long, dev).unsqueeze(1)
     keep = torch.arange(rad.shape[1], device=dev).unsqueeze(0) >= start
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     steps = torch.where(keep.unsqueeze(-1), rad.to(torch.float64), zero)
@@ -310,7 +306,7 @@ class HiftRunner:
     def _noise(self, starts: list[int], length: int) -> torch.Tensor:
         """[B, length, harmonics] rows of the fixed noise table from each row's sample offset."""
         self._ensure_table(max(starts) + length)
-        base = _to_device(starts, self.device).unsqueeze(1)
+        base = h2d(starts, torch.long, self.device).unsqueeze(1)
         idx = (base + torch.arange(length, device=self.device)).clamp_(max=self._table.shape[0] - 1)
         return self._table[idx]
 
@@ -334,7 +330,7 @@ class HiftRunner:
         half = cfg.n_fft // 2
         n = source.shape[-1]
         pos = torch.arange(-half, n + half, device=source.device).unsqueeze(0)
-        last = _to_device(lengths, source.device).unsqueeze(1) - 1
+        last = h2d(lengths, torch.long, source.device).unsqueeze(1) - 1
         pos = pos.abs()
         pos = torch.where(pos > last, 2 * last - pos, pos).clamp_(0, n - 1)
         padded = torch.gather(source[:, 0], 1, pos)

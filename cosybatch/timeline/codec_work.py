@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -205,14 +205,7 @@ class CodecWork:
             wavs = self.hift.run([HiftJob(m.hop.job.segment_id, m.mel.float(), m.hop.finalize) for m in batch])
         except Exception as e:
             self.acct.end(t)
-            if len(batch) == 1:
-                self._fail(batch[0].hop, e)
-                return
-            self._warn("HiFT", e, len(batch))
-            half = len(batch) // 2
-            self._retry_hift.extendleft([batch[half:], batch[:half]])  # first half first
-            if isinstance(e, torch.OutOfMemoryError):
-                self.limits = _with(self.limits, max_hift=max(1, half))
+            self._split_or_fail(batch, e, "HiFT")
             return
         self.acct.end(t)
         for m, w in zip(batch, wavs):
@@ -232,7 +225,8 @@ class CodecWork:
 
     def take_audio(self, wait: bool = False) -> list[Outcome]:
         """Chunks whose copy to the host is complete, in queue order (``wait``: block for the first)."""
-        out = [Outcome(h.row_id, h.job.segment_id, h.finalize, error=e) for h, e in self._drain_failed()]
+        failed, self.failed = self.failed, []
+        out = [Outcome(h.row_id, h.job.segment_id, h.finalize, error=e) for h, e in failed]
         while self.outbox:
             a = self.outbox[0]
             if a.ready is not None and not a.ready.query():
@@ -249,23 +243,21 @@ class CodecWork:
                 out.append(Outcome(h.row_id, h.job.segment_id, h.finalize, audio=audio))
         return out
 
-    def _drain_failed(self):
-        failed, self.failed = self.failed, []
-        return failed
-
     # ------------------------------------------------------------------ failures
 
-    def _split_or_fail(self, hops: list[Hop], e: Exception, stage: str) -> None:
-        """Retry a failed solve on halves of its jobs next (they stay queued); fail a job that
-        fails alone. Out of memory also lowers the jobs per solve for the rest of the run."""
-        if len(hops) == 1:
-            self._fail(hops[0], e)
+    def _split_or_fail(self, items: list[Any], e: Exception, stage: str) -> None:
+        """Retry a failed flow solve (``items``: its hops) or HiFT batch (its mels) on halves,
+        first half first, before anything new; fail a job that fails alone. Out of memory also
+        lowers that stage's batch limit for the rest of the run."""
+        hift = stage == "HiFT"
+        if len(items) == 1:
+            self._fail(items[0].hop if hift else items[0], e)
             return
-        self._warn(stage, e, len(hops))
-        half = len(hops) // 2
-        self._retry_flow.extendleft([hops[half:], hops[:half]])
+        self._warn(stage, e, len(items))
+        half = len(items) // 2
+        (self._retry_hift if hift else self._retry_flow).extendleft([items[half:], items[:half]])
         if isinstance(e, torch.OutOfMemoryError):
-            self.limits = _with(self.limits, max_jobs=max(1, half))
+            self.limits = replace(self.limits, **{"max_hift" if hift else "max_jobs": max(1, half)})
 
     def _fail(self, hop: Hop, e: Exception) -> None:
         q = self.hops.get(hop.job.segment_id)
@@ -278,10 +270,4 @@ class CodecWork:
         level = logging.DEBUG if key in self._warned else logging.WARNING
         self._warned.add(key)
         log.log(level, "packed %s call of %d jobs failed (%s: %s); retrying on halves", stage, n, type(e).__name__, e)
-
-
-def _with(lim: policy.Limits, **kw) -> policy.Limits:
-    from dataclasses import replace
-
-    return replace(lim, **kw)
 
