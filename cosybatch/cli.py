@@ -29,16 +29,16 @@ import click
 
 from . import __version__
 from .manifest import Manifest, ManifestError, read_manifest
-from .progress import setup_logging
+from .progress import setup_logging, warn_failed_rows
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
 from .runner import RunError, run_synth
 from .sharding import Shard, ShardError, parse_shard, select, shard_from_env
+from .synth_options import DEFAULT_FACTORY, SynthOptions
 from .writer import WAV_SUBTYPES
 
 log = logging.getLogger("cosybatch.cli")
 
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
-DEFAULT_FACTORY = "cosybatch.pipeline:build_synthesizer"
 PIPELINE_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
 
 
@@ -167,17 +167,6 @@ def _load_factory(spec: str, default_attr: str = "build_synthesizer") -> Callabl
         raise click.UsageError(f"--synthesizer {spec!r}: {e}") from None
 
 
-def _build_extras(force_length: bool, prompt_cache) -> dict:
-    """Keyword arguments for a synthesizer factory, only those the user set (so a factory that
-    predates them keeps working)."""
-    kw: dict = {}
-    if force_length:
-        kw["force_length"] = True
-    if prompt_cache is not None:
-        kw["prompt_cache"] = str(prompt_cache)
-    return kw
-
-
 def _device_for(device: str) -> str:
     # Under torchrun every process would otherwise pile onto cuda:0.
     if device in ("cuda", "auto") and "LOCAL_RANK" in os.environ and _cuda_available():
@@ -277,12 +266,10 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     man = _load_manifest(manifest)
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
+    opts = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
+                        tuple(sys.argv[1:]), force_length=force_length,
+                        prompt_cache=str(prompt_cache) if prompt_cache else None)
     if ray_address is not None or devices is not None or workers is not None:
-        from .synth_options import SynthOptions
-
-        opts = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
-                            tuple(sys.argv[1:]), force_length=force_length,
-                            prompt_cache=str(prompt_cache) if prompt_cache else None)
         if ray_address is not None:
             from .ray_cli import run_on_ray
 
@@ -294,22 +281,17 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
                              quiet=quiet, verbose=verbose))
     build = _load_factory(factory)
     try:
-        synthesizer = build(model, _device_for(device), profile, overrides, stream=stream,
-                            **_build_extras(force_length, prompt_cache))
+        synthesizer = opts.build(_device_for(device), build)
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
     with _closing(synthesizer):
         try:
-            if stream is None:
-                stream = bool(getattr(synthesizer, "streaming", False))
-            report = run_synth(man, synthesizer, out_dir, stream=stream, wav_subtype=wav_subtype,
+            report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), wav_subtype=wav_subtype,
                                overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
         except RunError as e:
             _fail(str(e))
-    if report.failed:
-        shown = ", ".join(report.failed[:10]) + (" ..." if len(report.failed) > 10 else "")
-        log.warning("%d row(s) failed: %s (reasons in %s)", len(report.failed), shown, report.ledger_path)
+    warn_failed_rows(log, report.failed, report.ledger_path)
     sys.exit(report.exit_code)
 
 

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, signal_name
 from .manifest import Manifest, ManifestRow
-from .resume import finished_with_inputs, input_key
+from .resume import finished_with_inputs
+from .row_records import base_record
 from .devices import DevicesError, Slot, cuda_device_count, plan_slots
 from .sharding import ALL, Shard, balance, select
 from .synth_options import SynthOptions
@@ -252,8 +253,7 @@ class Launcher:
             with Ledger(self.out / f"ledger{w.job.shard.tag}.jsonl") as ledger:
                 for row in rows:
                     w.seen.add(row.utt_id)
-                    ledger.append({"event": "row", "utt_id": row.utt_id, "line": row.line, "fp": w.fp,
-                                   "input": input_key(row), "status": "failed", "reason": reason})
+                    ledger.append({**base_record(row, w.fp), "status": "failed", "reason": reason})
                     self.counts["failed"] += 1
                     self.failed.append(row.utt_id)
         except (OSError, OutputFault) as e:
@@ -303,7 +303,7 @@ class Launcher:
         log.info("merged summary of every ledger part: %s", result.path)
 
     def run(self) -> int:
-        from .progress import RunProgress, print_summary
+        from .progress import RunProgress, print_summary, warn_failed_rows
 
         t0 = time.time()
         try:
@@ -333,9 +333,7 @@ class Launcher:
             log.warning("interrupted: %d row(s) pending; re-run the same command to resume", totals["pending"])
         if not self.quiet:
             print_summary(totals, self.console, title=f"cosybatch synth ({len(self.workers)} workers)")
-        if self.failed:
-            shown = ", ".join(self.failed[:10]) + (" ..." if len(self.failed) > 10 else "")
-            log.warning("%d row(s) failed: %s (reasons in %s/ledger*.jsonl)", len(self.failed), shown, self.out)
+        warn_failed_rows(log, self.failed, f"{self.out}/ledger*.jsonl")
         return self._exit_code(totals)
 
 

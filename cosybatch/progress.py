@@ -47,6 +47,13 @@ def setup_logging(verbose: bool = False, quiet: bool = False, console: Console |
     root.propagate = False
 
 
+def warn_failed_rows(log: logging.Logger, failed: list[str], reasons_in: Any) -> None:
+    """After a run: one line naming the first failed rows and where their reasons are."""
+    if failed:
+        shown = ", ".join(failed[:10]) + (" ..." if len(failed) > 10 else "")
+        log.warning("%d row(s) failed: %s (reasons in %s)", len(failed), shown, reasons_in)
+
+
 class _StderrHandler(logging.StreamHandler):
     """A StreamHandler that follows sys.stderr when it is swapped (as click's CliRunner does)."""
 

@@ -50,7 +50,7 @@ def settings_changed_message(done_fps: dict[str, Any], fp: dict[str, Any], out: 
 
 def settings_of(synth: Any, options: SynthOptions) -> tuple[bool, dict[str, Any]]:
     """(stream, fingerprint): exactly the runner's, so `synth` resumes a Ray run's OUT and vice versa."""
-    stream = options.stream if options.stream is not None else bool(getattr(synth, "streaming", False))
+    stream = options.stream_for(synth)
     return stream, {**synth.fingerprint(), "stream": stream, "wav_subtype": options.wav_subtype}
 
 

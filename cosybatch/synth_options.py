@@ -22,14 +22,23 @@ class SynthOptions:
     force_length: bool = False
     prompt_cache: str | None = None
 
-    def build(self, device: str):
+    def load_factory(self):
         import importlib
 
         mod, _, attr = self.factory.partition(":")
-        build = getattr(importlib.import_module(mod), attr or "build_synthesizer")
+        return getattr(importlib.import_module(mod), attr or "build_synthesizer")
+
+    def build(self, device: str, factory=None):
+        """The synthesizer on ``device``, from ``factory`` (default: ``load_factory()``). Only
+        the options the user set are passed, so a factory that predates them keeps working."""
         kw: dict = {}
         if self.force_length:
             kw["force_length"] = True
         if self.prompt_cache:
             kw["prompt_cache"] = self.prompt_cache
+        build = factory if factory is not None else self.load_factory()
         return build(self.model, device, self.profile, list(self.overrides), stream=self.stream, **kw)
+
+    def stream_for(self, synth) -> bool:
+        """The mode rows are synthesized in: as asked, else the synthesizer's (its profile's)."""
+        return self.stream if self.stream is not None else bool(getattr(synth, "streaming", False))

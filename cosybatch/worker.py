@@ -127,8 +127,7 @@ def run(job: Job) -> int:
         return EXIT_SETUP
     _limit_threads(job.workers)
     try:
-        stream = opts.stream if opts.stream is not None else bool(getattr(synth, "streaming", False))
-        report = run_synth(job.manifest, synth, job.out, stream=stream, wav_subtype=opts.wav_subtype,
+        report = run_synth(job.manifest, synth, job.out, stream=opts.stream_for(synth), wav_subtype=opts.wav_subtype,
                            overwrite=opts.overwrite, shard=job.shard, quiet=True, argv=list(opts.argv))
         return report.exit_code
     except RunError as e:
