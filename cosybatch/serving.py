@@ -214,7 +214,7 @@ class FastPipeline:
             try:
                 ready.append((req, *fut.result()))
             except Exception as e:  # a bad row must not take the others down
-                self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
+                self._error(rid, e)
         if self._device_frontend and ready:
             ready = self._prompt_features(ready)
         for req, feats, text in ready:
@@ -242,7 +242,7 @@ class FastPipeline:
                 try:
                     out.append((req, self.frontend.features([loaded])[0], text))
                 except Exception as e:
-                    self._events.append(Event(req.request_id, "error", error=f"{type(e).__name__}: {e}"))
+                    self._error(req.request_id, e)
         self.acct.end(t)
         return out
 
@@ -391,7 +391,10 @@ class FastPipeline:
             log.debug("abort of %s failed", rid, exc_info=True)
         self.codec.drop_row(rid, seg_id)
         self._rows.pop(rid, None)
-        self._events.append(Event(rid, "error", error=f"{type(e).__name__}: {e}"))
+        self._error(rid, e)
+
+    def _error(self, request_id: str, e: Exception) -> None:
+        self._events.append(Event(request_id, "error", error=f"{type(e).__name__}: {e}"))
 
     def _idle(self) -> None:
         """Nothing was queued: wait for the GPU's oldest chunk, or briefly for the frontend."""

@@ -298,8 +298,10 @@ class FlowRunner:
         if lay.margin:
             margin = torch.zeros(self.n_steps, lay.margin, mel, device=dev, dtype=self.dtype)
             if cached:
-                parts = [self.cache.get(p.key).traj[:, p.conv_start - self.cache.get(p.key).traj_start:
-                                                    p.q_start - self.cache.get(p.key).traj_start] for p in cached]
+                parts = []
+                for p in cached:  # each cached job's trajectory over its conv margin
+                    st = self.cache.get(p.key)
+                    parts.append(st.traj[:, p.conv_start - st.traj_start: p.q_start - st.traj_start])
                 got = torch.cat(parts, dim=1)
                 margin[:, : got.shape[1]] = got.to(self.dtype)
             b.margin, b.margin_conv = margin, t(lay.margin_conv.reshape(-1))
@@ -367,10 +369,6 @@ class FlowSolve:
     @property
     def steps_left(self) -> int:
         return self.runner.n_steps - self.done
-
-    @property
-    def jobs(self) -> list[FlowJob]:
-        return [p.job for p in self.plans]
 
     @torch.inference_mode()
     def step(self, n: int = 1) -> int:

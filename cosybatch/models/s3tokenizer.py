@@ -46,10 +46,6 @@ class S3TokenizerConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
-    @property
-    def codebook_size(self) -> int:
-        return 3**self.fsq_digits
-
     def __post_init__(self):
         if self.dim % self.heads or (self.dim // self.heads) % 2:
             raise ValueError(f"dim {self.dim} must split into {self.heads} heads of even size")
