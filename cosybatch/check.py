@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .manifest import Manifest, ManifestRow
-from .resume import finished_with_inputs
+from .resume import finished_rows
 from .sharding import Shard, estimated_cost
-from .writer import latest_rows, read_ledgers
 
 CHECKPOINT_FILES = ("cosyvoice3.yaml", "llm.pt", "flow.pt", "hift.pt",
                     "speech_tokenizer_v3.onnx", "campplus.onnx", "CosyVoice-BlankEN")
@@ -33,8 +32,7 @@ def describe_model(model: str) -> list[str]:
 
 def _already_done(rows: list[ManifestRow], out_dir: Path) -> int:
     """Rows an earlier run finished with these inputs (settings are checked only by synth)."""
-    latest = latest_rows(read_ledgers(out_dir))
-    return sum(1 for r in rows if r.utt_id in latest and finished_with_inputs(r, latest[r.utt_id], out_dir))
+    return len(finished_rows(rows, out_dir))
 
 
 def describe_plan(man: Manifest, rows: list[ManifestRow], shard: Shard, out_dir: Path | None) -> list[str]:

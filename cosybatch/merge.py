@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .exits import EXIT_FAILED, EXIT_OK
-from .writer import TIMING_SCHEMA, OutputFault, atomic_write_bytes, ledger_files, read_ledger, timing_files
+from .writer import TIMING_SCHEMA, OutputFault, atomic_write_bytes, ledger_files, rates, read_ledger, timing_files
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,14 @@ class MergeResult:
     exit_code: int
 
 
-def _load_timings(outs: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+def _load_timings(outs: list[Path], level: int) -> list[tuple[Path, dict[str, Any]]]:
     docs = []
     for out in outs:
         for p in timing_files(out):
             try:
                 doc = json.loads(p.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
-                log.warning("%s: unreadable timing file skipped (%s)", p, e)
+                log.log(level, "%s: unreadable timing file skipped (%s)", p, e)
                 continue
             if isinstance(doc, dict) and doc.get("schema") == TIMING_SCHEMA and not doc.get("merged"):
                 docs.append((p, doc))
@@ -68,17 +68,19 @@ def _shard_gaps(docs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     return [f"{i}/{n}" for n, got in sorted(seen.items()) for i in range(n) if i not in got]
 
 
-def merge_outputs(outs: list[Path], into: Path) -> MergeResult:
-    docs = _load_timings(outs)
+def merge_outputs(outs: list[Path], into: Path, quiet: bool = False) -> MergeResult:
+    """``quiet``: the caller reports each part's fate itself; the merge's warnings go to debug."""
+    level = logging.DEBUG if quiet else logging.WARNING
+    docs = _load_timings(outs, level)
     rows_state, invalid = _ledger_state(outs)
     if not docs and not rows_state:
         raise MergeError(f"no timing*.json or ledger*.jsonl found in {', '.join(map(str, outs))}")
     missing = _shard_gaps(docs)
     for s in missing:
-        log.warning("shard %s has no timing file: it never ran or wrote elsewhere", s)
+        log.log(level, "shard %s has no timing file: it never ran or wrote elsewhere", s)
     incomplete = [str(p) for p, d in docs if not d.get("complete")]
     for p in incomplete:
-        log.warning("%s: that shard did not finish (killed or interrupted)", p)
+        log.log(level, "%s: that shard did not finish (killed or interrupted)", p)
 
     rows: dict[str, dict[str, Any]] = {}
     for _, doc in sorted(docs, key=lambda pd: str(pd[1].get("updated", ""))):
@@ -96,8 +98,7 @@ def merge_outputs(outs: list[Path], into: Path) -> MergeResult:
         "audio_s_all": round(audio_all, 4),
         # Shards are assumed to run side by side: throughput is their audio over the slowest one's wall.
         "audio_s": round(run_audio, 4), "wall_s": round(wall, 4), "wall_s_sum": round(sum(walls), 4),
-        "audio_s_per_s": run_audio / wall if wall > 0 else None,
-        "rtf": wall / run_audio if run_audio > 0 else None,
+        **rates(run_audio, wall),
         "shards": len(docs), "missing_shards": missing, "incomplete": incomplete,
     }
     first = docs[0][1] if docs else {}

@@ -24,13 +24,13 @@ from typing import Any, Callable
 
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, signal_name
 from .manifest import Manifest, ManifestRow
-from .resume import finished_with_inputs
+from .resume import finished_rows
 from .row_records import base_record
 from .devices import DevicesError, Slot, cuda_device_count, plan_slots
 from .sharding import ALL, Shard, balance, select
 from .synth_options import SynthOptions
 from .worker import EXIT_SETUP, Job, main as worker_main
-from .writer import Ledger, OutputFault, latest_rows, read_ledgers
+from .writer import Ledger, OutputFault, rates
 
 log = logging.getLogger("cosybatch.multi")
 
@@ -91,10 +91,7 @@ def split_rows(man: Manifest, outer: Shard, out: Path, overwrite: bool,
                workers: int) -> tuple[list[list[ManifestRow]], set[str]]:
     """(rows still to do, per worker; ids of rows already done)."""
     rows = select(man.rows, outer)
-    done: set[str] = set()
-    if not overwrite and out.is_dir():
-        latest = latest_rows(read_ledgers(out))
-        done = {r.utt_id for r in rows if r.utt_id in latest and finished_with_inputs(r, latest[r.utt_id], out)}
+    done = set(finished_rows(rows, out)) if not overwrite and out.is_dir() else set()
     return balance(rows, workers, done), done
 
 
@@ -270,8 +267,7 @@ class Launcher:
         return {"rows": rows, **self.counts, "skipped": len(self.done - seen), "invalid": invalid,
                 "pending": max(0, self.todo_count - finished), "workers": len(self.workers),
                 "audio_s": round(self.audio_s, 4), "wall_s": round(wall, 4),
-                "audio_s_per_s": self.audio_s / wall if wall > 0 else None,
-                "rtf": wall / self.audio_s if self.audio_s > 0 else None}
+                **rates(self.audio_s, wall)}
 
     def _exit_code(self, totals: dict[str, Any]) -> int:
         outcomes = [w.outcome for w in self.workers]
@@ -290,16 +286,11 @@ class Launcher:
             return  # one worker wrote timing.json / ledger.jsonl like a plain run
         from .merge import MergeError, merge_outputs
 
-        merge_log = logging.getLogger("cosybatch.merge")
-        level = merge_log.level
-        merge_log.setLevel(logging.ERROR)  # each worker's fate is reported above already
-        try:
-            result = merge_outputs([self.out], self.out)
+        try:  # quiet: each worker's fate is reported above already
+            result = merge_outputs([self.out], self.out, quiet=True)
         except (MergeError, OSError, OutputFault) as e:
             log.warning("could not merge the workers' summaries: %s", e)
             return
-        finally:
-            merge_log.setLevel(level)
         log.info("merged summary of every ledger part: %s", result.path)
 
     def run(self) -> int:

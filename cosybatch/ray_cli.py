@@ -21,10 +21,10 @@ from typing import Any
 
 from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .manifest import Manifest
-from .resume import finished_with_inputs
+from .resume import finished_rows
 from .sharding import Shard
 from .synth_options import SynthOptions
-from .writer import TIMING_SCHEMA, Ledger, OutputFault, TimingWriter, latest_rows, read_ledgers
+from .writer import TIMING_SCHEMA, Ledger, OutputFault, TimingWriter, rates, read_ledgers
 
 log = logging.getLogger("cosybatch.ray")
 
@@ -80,10 +80,7 @@ class RayRun:
 
     def _plan(self) -> None:
         records = read_ledgers(self.out)
-        latest = latest_rows(records)
-        self.done = {} if self.options.overwrite else {
-            r.utt_id: latest[r.utt_id] for r in self.man.rows
-            if r.utt_id in latest and finished_with_inputs(r, latest[r.utt_id], self.out)}
+        self.done = {} if self.options.overwrite else finished_rows(self.man.rows, self.out, records)
         self.todo = [r for r in self.man.rows if r.utt_id not in self.done]
         from .ray import fingerprints
 
@@ -163,8 +160,7 @@ class RayRun:
         finished = self.counts["ok"] + self.counts["failed"] + late_invalid
         return {"rows": len(self.man.rows), **self.counts, "pending": max(0, len(self.todo) - finished),
                 "actors": self.actors, "audio_s": round(self.audio_s, 4), "wall_s": round(wall, 4),
-                "audio_s_per_s": self.audio_s / wall if wall > 0 else None,
-                "rtf": wall / self.audio_s if self.audio_s > 0 else None}
+                **rates(self.audio_s, wall)}
 
     def run(self) -> int:
         from .progress import RunProgress, print_summary
@@ -252,13 +248,7 @@ class RayRun:
 
         try:
             TimingWriter(self.out / "timing.ray.json").write(doc)
-            merge_log = logging.getLogger("cosybatch.merge")
-            level = merge_log.level
-            merge_log.setLevel(logging.ERROR)  # this run's own summary says what is missing
-            try:
-                merge_outputs([self.out], self.out)
-            finally:
-                merge_log.setLevel(level)
+            merge_outputs([self.out], self.out, quiet=True)  # this run's own summary says what is missing
         except (OSError, OutputFault, MergeError) as e:
             log.warning("could not write the run's summary into %s: %s", self.out, e)
 

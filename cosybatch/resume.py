@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import ManifestRow
-from .writer import latest_rows
+from .writer import latest_rows, read_ledgers
 
 
 def fingerprint_sha(fp: dict[str, Any]) -> str:
@@ -63,6 +63,15 @@ def finished_with_inputs(row: ManifestRow, rec: dict[str, Any], out_dir: Path) -
         return (out_dir / f"{row.utt_id}.wav").stat().st_size == rec.get("wav_bytes")
     except OSError:
         return False
+
+
+def finished_rows(rows: list[ManifestRow], out_dir: Path,
+                  records: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """utt_id -> latest record of the rows an earlier run finished with these inputs
+    (settings not compared); ``records``: the ledgers of ``out_dir``, if already read."""
+    latest = latest_rows(read_ledgers(out_dir) if records is None else records)
+    return {r.utt_id: latest[r.utt_id] for r in rows
+            if r.utt_id in latest and finished_with_inputs(r, latest[r.utt_id], out_dir)}
 
 
 def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: bool,

@@ -38,7 +38,7 @@ from .progress import RunProgress, print_summary, stderr_console
 from .resume import ResumePlan, changed_message, fingerprint_sha, plan_resume
 from .row_records import base_record, ok_record, one_by_one
 from .sharding import ALL, Shard, select
-from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, read_ledgers,
+from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, rates, read_ledgers,
                      remove_quietly, remove_stale_tmp, wav_size, write_wav_atomic)
 
 log = logging.getLogger(__name__)
@@ -279,8 +279,7 @@ class _Run:
         done = self.counts["ok"] + self.counts["failed"] + self.counts["skipped"]
         return {"rows": len(self.rows), **self.counts, "pending": len(self.rows) - done,
                 "audio_s": round(audio, 4), "wall_s": round(wall, 4),
-                "audio_s_per_s": audio / wall if wall > 0 else None,
-                "rtf": wall / audio if audio > 0 else None,
+                **rates(audio, wall),
                 "audio_s_all": round(audio + sum(r.get("audio_s") or 0.0 for r in self.timing_rows.values()
                                                  if r.get("resumed")), 4),
                 "tokens": int(self.sums["tokens"]),

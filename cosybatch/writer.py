@@ -321,6 +321,12 @@ def latest_rows(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def rates(audio_s: float, wall_s: float) -> dict[str, float | None]:
+    """The timing document's throughput figures: audio seconds per wall second, and its inverse."""
+    return {"audio_s_per_s": audio_s / wall_s if wall_s > 0 else None,
+            "rtf": wall_s / audio_s if audio_s > 0 else None}
+
+
 class TimingWriter:
     """Rewrites timing.json atomically now and then, so even a killed run leaves a valid one.
 
