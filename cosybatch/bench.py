@@ -15,13 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-
 from cosybatch.metrics import Timeline, aggregate, request_metrics
-from cosybatch.requests import PipelineContractError, StreamingPipeline, SynthRequest, drive
+from cosybatch.requests import StreamingPipeline, SynthRequest, drive
 
 log = logging.getLogger("cosybatch.bench")
-
-BenchError = PipelineContractError  # what ``profile`` reports when a pipeline breaks the contract
 
 
 @dataclass

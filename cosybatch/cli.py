@@ -395,9 +395,9 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     from rich.console import Console
 
     from . import workload
-    from .bench import BenchError, environment, result_table, run_closed_loop, select_rows, write_result
+    from .bench import environment, result_table, run_closed_loop, select_rows, write_result
     from .profiles import ProfileError, load_profile
-    from .requests import SynthRequest, force_tokens
+    from .requests import PipelineContractError, SynthRequest, force_tokens
 
     setup_logging(verbose, quiet=False)
     try:
@@ -426,7 +426,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
              concurrency, num_warmups)
     try:
         result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
-    except BenchError as e:
+    except PipelineContractError as e:
         _fail(f"benchmark aborted: {e}", EXIT_FAILED)
     except KeyboardInterrupt:
         _fail("interrupted", EXIT_INTERRUPTED)

@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from cosybatch import workload
-from cosybatch.bench import BenchError, run_closed_loop
+from cosybatch.bench import run_closed_loop
 from cosybatch.cli import profile_command
-from cosybatch.requests import Event, StreamingPipeline, SynthRequest
+from cosybatch.requests import Event, PipelineContractError, StreamingPipeline, SynthRequest
 
 SR = 8000
 STEP_S = 0.125  # exact in binary: timelines compare exactly
@@ -176,16 +176,16 @@ def test_contract_violations_raise():
         def has_work(self):
             return False
 
-    with pytest.raises(BenchError, match="no work while 1 request"):
+    with pytest.raises(PipelineContractError, match="no work while 1 request"):
         run_closed_loop(Idle(FakeClock()), reqs(1), 1)
 
     class Stray(FakePipeline):
         def step(self):
             return [Event("ghost", "chunk", audio=np.zeros(4, np.float32))]
 
-    with pytest.raises(BenchError, match="'ghost', which is not in flight"):
+    with pytest.raises(PipelineContractError, match="'ghost', which is not in flight"):
         run_closed_loop(Stray(FakeClock()), reqs(1), 1)
-    with pytest.raises(BenchError, match="duplicate request id"):
+    with pytest.raises(PipelineContractError, match="duplicate request id"):
         run_closed_loop(FakePipeline(FakeClock()), [SynthRequest("x", row(0))] * 2, 1)
 
 
