@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cosybatch.config import ModelConfig  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
+from cosybatch.runtime import ProcessSettings, apply_process_settings  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -68,8 +69,7 @@ def bench_ort(model_dir, loaded, n_ref, threads, budget):
 
 
 def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, tf32=False):
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    apply_process_settings(ProcessSettings(cudnn_tf32=tf32, matmul_tf32=tf32))
     t = time.perf_counter()
     fe = Frontend(model_dir, ModelConfig(), backend="torch", device=device, dtype=DTYPES[dtype_name],
                   cache_size=0, max_batch=max(batches))
