@@ -104,6 +104,7 @@ class FastPipeline:
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
         self._closed = False
+        self._counter_base: dict[str, int] = {}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
@@ -142,9 +143,34 @@ class FastPipeline:
         (since the start or the last reset; shares of ``wall_s`` if given); ``reset`` starts a
         new window."""
         out = self.acct.summary(wall_s)
+        now = self._counters()
+        base = self._counter_base
+        d = {k: v - base.get(k, 0) for k, v in now.items()}
+        per = lambda a, b: round(d[a] / d[b], 2) if d[b] else None  # noqa: E731
+        out["batches"] = {
+            "flow_jobs_per_solve": per("flow_jobs", "flow_calls"),
+            "flow_tokens_per_step": per("flow_tokens", "flow_calls"),
+            "flow_padding_share": round(1 - d["flow_tokens"] / d["flow_padded"], 3) if d["flow_padded"] else None,
+            "hift_jobs_per_batch": per("hift_jobs", "hift_batches"),
+            "hift_frames_per_batch": per("hift_frames", "hift_batches"),
+            "prefill_seqs_per_call": per("prefill_seqs", "prefill_calls"),
+            "prefill_graph_share": per("prefill_graphed", "prefill_calls"),
+            **{k: d[k] for k in ("flow_calls", "hift_batches", "prefill_calls")},
+        }
         if reset:
             self.acct.reset()
+            self._counter_base = now
         return out
+
+    def _counters(self) -> dict[str, int]:
+        """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""
+        fs = self.codec.flow.stats
+        es = self.engine.stats
+        pg = self.engine.runner.prefill_graphs
+        return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
+                "flow_padded": fs["padded_tokens"], **self.codec.counts,
+                "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
+                "prefill_graphed": pg.replays if pg is not None else 0}
 
     def step(self) -> list[Event]:
         t0 = time.perf_counter()

@@ -132,8 +132,10 @@ def test_batch_invariance_full_size(big_lm, reqs, alone_tokens, max_num_seqs):
     order = list(range(len(reqs)))
     random.Random(max_num_seqs).shuffle(order)
     got = _run_together(eng, reqs, order)
+    replays = eng.runner.prefill_graphs.replays
     _free(eng)
     assert got == alone_tokens
+    assert replays > 0  # prefills replayed from graphs (alone_tokens: one prompt each, also graphed)
     for r, toks in zip(reqs, got):
         assert len(toks) >= 2 * len(r["text_ids"])
 
@@ -143,6 +145,23 @@ def test_decode_steps_are_fully_graphed(big_lm):
     modes = dict(eng.runner.graph_modes)
     _free(eng)
     assert modes == {b: "step" for b in (1, 2, 4, 8)}  # forward + sampling + state update
+
+
+def test_graphed_prefill_equals_eager_bits(big_lm, reqs):
+    eng = _engine(big_lm, max_num_seqs=16)
+    pg = eng.runner.prefill_graphs
+    assert pg is not None and pg.buckets
+    for r in reqs[:3]:
+        eng.add_request(**r)
+    seqs = eng.scheduler.schedule().seqs
+    for s in seqs:
+        eng.runner.bind(s, s.row)
+    inp, last = eng.runner.executor.prefill_inputs(seqs)
+    assert len(seqs) == 3 and inp.shape[1] not in pg.buckets  # the bucket's padding is exercised
+    graphed = pg.run(inp, last).clone()
+    eager = eng.runner.executor.prefill(seqs)
+    _free(eng)
+    assert torch.equal(graphed, eager)
 
 
 def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):

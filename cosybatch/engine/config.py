@@ -40,6 +40,8 @@ class EngineConfig:
     linear: str = "triton"
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    # prefills of at most this many packed tokens replay a graph per token bucket (0: eager)
+    prefill_graph_tokens: int = 4096
     # official CosyVoice3LM.inference ratios (not in the yaml)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0

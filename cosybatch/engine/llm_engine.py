@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineStats:
     prefill_steps: int = 0
+    prefill_seqs: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_steps: int = 0
@@ -180,6 +181,7 @@ class LLMEngine:
         else:
             st = self.stats
             st.prefill_steps += 1
+            st.prefill_seqs += len(plan.seqs)
             st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
             st.prefill_s += time.perf_counter() - t0
             outputs = self._advance_all(plan.seqs, toks)

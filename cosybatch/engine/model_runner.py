@@ -16,6 +16,7 @@ import torch
 from cosybatch.cuda_graphs import GraphPool
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
+from cosybatch.engine.prefill_graphs import PrefillGraphs, token_buckets
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.sampler import SamplerState, padded_vocab
 from cosybatch.hostcopy import copy_in, h2d
@@ -64,7 +65,8 @@ class ModelRunner:
         self.vocab_padded = padded_vocab(lm.cfg.speech_vocab)
         self.num_rows = cfg.max_num_seqs
         self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
-        self.rows = DecodeRows(self.num_rows, self.max_blocks, self.device)
+        # one more row than decode uses: the scratch row that a graphed prefill's padding reads
+        self.rows = DecodeRows(self.num_rows + 1, self.max_blocks, self.device)
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
                                     lm.cfg.sos, cfg.max_model_len, self.device)
         if executor == "torch":
@@ -87,6 +89,7 @@ class ModelRunner:
         self.graph_modes: dict[int, str] = {}
         self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
         self._graph_pool = GraphPool()  # buckets captured largest first: the smaller reuse its memory
+        self.prefill_graphs: PrefillGraphs | None = None
         if cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable:
             self.capture_graphs()
 
@@ -139,7 +142,11 @@ class ModelRunner:
         ``collect`` returns those ids."""
         for s in seqs:
             self.bind(s, s.row)
-        logits = self.executor.prefill(seqs)
+        logits = None
+        if self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(*self.executor.prefill_inputs(seqs))
+        if logits is None:
+            logits = self.executor.prefill(seqs)
         rows = h2d([s.row for s in seqs], torch.long, self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         toks = self._sample_record(logits, rows, zeros)
@@ -242,6 +249,10 @@ class ModelRunner:
                     torch.cuda.synchronize(self.device)
             else:
                 self.graph_modes[b] = "eager"
+        largest = min(self.cfg.prefill_graph_tokens, self.cfg.max_prefill_tokens)
+        if largest > 0:
+            self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows,
+                                                token_buckets(largest), self._graph_pool)
         torch.cuda.synchronize(self.device)
         self.reset_rows()
 

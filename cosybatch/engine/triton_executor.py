@@ -112,28 +112,37 @@ class TritonExecutor:
 
     # ---------------------------------------------------------------- phases
 
-    @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+    # Prefill inputs travel as one [5, T] long tensor (ids, is_speech, pos, row, slot per
+    # token) and the index of each sequence's last token: one host-to-device copy, and the
+    # layout a captured prefill graph (``prefill_graphs``) reads from its static buffers.
+    def prefill_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         ids, is_speech, pos, rows, slots, last = [], [], [], [], [], []
         bs = self.cache.block_size
         for s in seqs:
             seq_ids = [self.sos] + s.text_ids + [self.task_id] + s.prompt_speech
-            flags = [True] + [False] * len(s.text_ids) + [True] * (len(s.prompt_speech) + 1)
             n = len(seq_ids)
             ids += seq_ids
-            is_speech += flags
+            is_speech += [1] + [0] * len(s.text_ids) + [1] * (len(s.prompt_speech) + 1)
             pos += range(n)
             rows += [s.row] * n
             slots += PagedKVCache.slots_for(s.blocks, 0, n, bs)
             last.append(len(ids) - 1)
-        dev, long = self.device, torch.long
-        ids_t = h2d(ids, long, dev)
-        sp = h2d(is_speech, torch.bool, dev)
+        return torch.tensor([ids, is_speech, pos, rows, slots], dtype=torch.long), last
+
+    def prefill_from(self, inp: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Logits [len(last), Vp] of a prefill laid out by ``prefill_inputs``, on the device
+        (reads nothing from the host: graph-capturable)."""
+        ids, sp = inp[0], inp[1].bool()
         x = torch.where(sp.unsqueeze(1),
-                        self.embed_speech[torch.where(sp, ids_t, 0)],
-                        self.embed_text[torch.where(sp, 0, ids_t)])
-        h = self._forward(x.contiguous(), h2d(pos, long, dev), h2d(rows, long, dev), h2d(slots, long, dev), "prefill")
-        return self._logits(h.index_select(0, h2d(last, long, dev)).contiguous())
+                        self.embed_speech[torch.where(sp, ids, 0)],
+                        self.embed_text[torch.where(sp, 0, ids)])
+        h = self._forward(x.contiguous(), inp[2], inp[3], inp[4], "prefill")
+        return self._logits(h.index_select(0, last).contiguous())
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        inp, last = self.prefill_inputs(seqs)
+        return self.prefill_from(h2d(inp, device=self.device), h2d(last, torch.long, self.device))
 
     def decode(self, b: int, seqs=None) -> torch.Tensor:
         """Logits [b, Vp] for rows 0..b-1 from device state only (graph-capturable)."""

@@ -84,6 +84,8 @@ class CodecWork:
     _retry_hift: deque = field(default_factory=deque)
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
     _warned: set = field(default_factory=set)
+    # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames
+    counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames"), 0))
 
     # ------------------------------------------------------------------ queues
 
@@ -200,6 +202,10 @@ class CodecWork:
 
     def _hift_batch(self, batch: list[_Mel]) -> None:
         frames = sum(m.mel.shape[2] for m in batch)
+        c = self.counts
+        c["hift_batches"] += 1
+        c["hift_jobs"] += len(batch)
+        c["hift_frames"] += frames
         t = self.acct.start("hift", lambda ms: self.costs.observe_hift(frames, ms))
         try:
             wavs = self.hift.run([HiftJob(m.hop.job.segment_id, m.mel.float(), m.hop.finalize) for m in batch])
