@@ -85,9 +85,11 @@ class FastPipeline:
             n = hift.precapture(codec_cfg.hift_graph_precapture)
             log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(codec_cfg.hift_graph_precapture))
         self.acct = Accounting(device)
-        limits = policy.Limits(streaming=self.streaming, budget_ms=settings.codec_budget_ms,
+        sl = settings.slices
+        limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms,
                                max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
-                               n_steps=self.cfg.flow.n_timesteps)
+                               n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
+                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
         self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
                                CostModel(learn=device.type == "cuda"), limits, device)
         self._token_frames = self.cfg.flow.token_mel_ratio

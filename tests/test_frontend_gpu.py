@@ -97,10 +97,10 @@ def fp32_frontend(full_dir):
     return _frontend(full_dir, torch.float32, warmup=True)  # warmed: the latency check needs it
 
 
-def _compare(fe, prompts, reference, label):
+def _compare(fe, prompts, reference, label, singles=False):
     loaded = [fe.load_waveform(w, 16000, f"p{i}") for i, w in enumerate(prompts)]
     t = time.perf_counter()
-    raws = fe.raw_features(loaded)
+    raws = [fe.raw_features([p])[0] for p in loaded] if singles else fe.raw_features(loaded)
     dt = time.perf_counter() - t
     same = total = 0
     flips, worst, mel_worst = [], 0.0, 0.0
@@ -127,6 +127,19 @@ def _compare(fe, prompts, reference, label):
 
 def test_fp32_matches_onnxruntime(fp32_frontend, prompts, reference):
     rate, worst, flips = _compare(fp32_frontend, prompts, reference, "fp32 (TF32 off)")
+    assert rate >= FP32_AGREEMENT, flips[:20]
+    assert worst <= FP32_EMBED_TOL
+
+
+def test_single_prompts_from_graphs_match_onnxruntime(fp32_frontend, prompts, reference):
+    """Prompts one at a time (how they trickle in under a fixed concurrency) replay the
+    frontend's CUDA graphs: same bounds against onnxruntime as the batched path."""
+    graphs = fp32_frontend._impl.graphs
+    hits = graphs.stats.hits if graphs is not None else 0
+    rate, worst, flips = _compare(fp32_frontend, prompts[:40], reference[:40], "fp32 one prompt at a time", singles=True)
+    if DEVICE == "cuda":
+        assert graphs.stats.hits - hits == 40, graphs.stats.as_dict()  # warm-up captured every bucket
+        print(f"[frontend-gpu] graphs: {graphs.stats.as_dict()}")
     assert rate >= FP32_AGREEMENT, flips[:20]
     assert worst <= FP32_EMBED_TOL
 

@@ -196,6 +196,27 @@ def test_fast_campplus_and_bucketing_change_nothing(standins):
         assert (a.embedding - c.embedding).abs().max() <= 1e-3  # float64 fbank vs the reference's float32
 
 
+def test_the_graphed_path_equals_the_exact_path(standins):
+    """Chunks of at most ``graph_rows`` prompts run the models' masked path (what a CUDA graph
+    captures, whether or not a row is padded) and come back packed in one tensor: the same
+    tokens, embeddings and mels as the exact path, prompt by prompt. On the CPU the cache runs
+    that function eagerly; GPU tests replay it from graphs."""
+    from cosybatch.graph_cache import GraphCache
+
+    fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0)
+    loaded = [fe.load_waveform(_wav16(s, 110 + i), 16000, f"w{i}") for i, s in enumerate(SECONDS)]
+    exact = [fe.raw_features([p])[0] for p in loaded]
+    impl = fe._impl
+    impl.graph_rows = 4
+    impl.graphs = GraphCache(lambda *t: impl._features(*t, True, True), enabled=False)
+    masked = [fe.raw_features([p])[0] for p in loaded]
+    assert impl.graphs.stats.calls == len(loaded)
+    for a, b in zip(exact, masked):
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.embedding - b.embedding).abs().max() <= 1e-5
+        assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
+
+
 def test_torch_frontend_equals_reference_frontend(standins, wavs):
     """Frontend(backend='torch') on the CPU and the onnxruntime reference give the same
     PromptFeatures for files at 16 and 24 kHz (batched vs one by one)."""

@@ -14,6 +14,7 @@ LAYERS = {
     # 0: leaf types and helpers every layer may use
     "cosybatch": (0, None), "cosybatch.config": (0, None), "cosybatch.prompt": (0, None),
     "cosybatch.exits": (0, None), "cosybatch.hostcopy": (0, None), "cosybatch.cuda_graphs": (0, None),
+    "cosybatch.graph_cache": (0, None),
     "cosybatch.runtime": (0, None), "cosybatch.requests": (0, None), "cosybatch.metrics": (0, None),
     "cosybatch.sampling": (0, None), "cosybatch.devices": (0, None),
     # 1: plain models, audio/text processing, checkpoints, manifests and output files

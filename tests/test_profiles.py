@@ -334,3 +334,18 @@ def test_hift_tf32_is_explicit():
     assert load_profile("default").codec.hift_tf32 is True
     assert load_profile("packed_streaming_optimized_standard").codec.hift_tf32 is True  # inherited
     assert load_profile("default", ["codec.hift_tf32=false"]).codec.hift_tf32 is False
+
+
+def test_slice_settings_reach_the_timeline_limits():
+    import torch
+
+    from cosybatch.config import ModelConfig
+    from cosybatch.profiles.resolve import resolve
+
+    p = load_profile("packed_streaming", ["codec.first_wait_ms=120", "codec.max_wait_ms=400",
+                                          "codec.solve_tokens=9000", "codec.budget_ms=7.5"])
+    s = resolve(p, ModelConfig(), torch.device("cpu")).slices
+    assert (s.budget_ms, s.solve_tokens, s.first_wait_s, s.max_wait_s) == (7.5, 9000, 0.12, 0.4)
+    assert resolve(load_profile("packed_streaming"), ModelConfig(), torch.device("cpu")).slices.solve_tokens is None
+    assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
+        "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"

@@ -36,7 +36,7 @@ from typing import Hashable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from cosybatch.codec.graph_cache import GraphCache
+from cosybatch.graph_cache import GraphCache
 from cosybatch.codec.istft import CachedISTFT
 from cosybatch.hostcopy import h2d
 from cosybatch.models import noise as noise_tables

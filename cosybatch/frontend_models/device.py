@@ -10,7 +10,11 @@ padding exactly, so this changes no result). Prompt lengths then repeat, and so 
 shapes cuDNN/cuFFT plan for: with ``warmup`` run over every bucket once, a later prompt of any
 length meets already-planned shapes. Every length is known on the host before a chunk starts
 and host<->device copies go through reused pinned buffers, so the only wait on the device is
-the final copy.
+the final copy. On CUDA, chunks of at most ``graph_rows`` prompts (the latency case: prompts
+trickling in one by one) replay a CUDA graph per shape instead of launching ~1,100 kernels:
+the graph runs the masked (padded) path of every model, which the batched path already runs
+for every row shorter than its chunk's longest, and returns codes, embedding and mel packed in
+one tensor, so one copy brings them back.
 
 The Kaldi fbank (CAM++ input) normally arrives precomputed by the CPU part, with the reference
 function: the log energy of a low-energy band is limited by float32 FFT rounding, so the
@@ -30,6 +34,7 @@ import torch
 
 from cosybatch.audio.features import WHISPER_HOP
 from cosybatch.config import MelConfig
+from cosybatch.graph_cache import GraphCache
 from cosybatch.frontend_models.features import (KALDI_FRAME, KALDI_SHIFT, kaldi_fbank_batch, pad_frames, pad_rows,
                                                 prompt_mel_batch, whisper_log_mel_batch)
 from cosybatch.models.campplus import CAMPPlus
@@ -70,7 +75,7 @@ class _Staging:
 class DeviceFrontend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
-                 bucket_s: float = 0.5):
+                 bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 64):
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -81,6 +86,9 @@ class DeviceFrontend:
         self.bucket_s = float(bucket_s)
         self._staging = _Staging(self.device.type == "cuda")
         self._lock = threading.Lock()
+        self.graph_rows = graph_rows if self.device.type == "cuda" else 0
+        self.graphs = GraphCache(lambda *t: self._features(*t, True, True), capacity=graph_capacity,
+                                 capture_after=1, name="frontend") if self.graph_rows else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, mel_cfg: MelConfig, device, **kw) -> "DeviceFrontend":
@@ -167,21 +175,41 @@ class DeviceFrontend:
         return out
 
     # ---- one chunk ------------------------------------------------------------------------
+    def _features(self, x16, l16, fbank, fb_dev, xm, lm, pad_tok: bool, pad_fb: bool) -> torch.Tensor:
+        """The device work of a chunk from its uploaded inputs, packed as float32: a header
+        [B, code frames, embedding size, mel frames, mel bins], then codes (exact: < 3**8),
+        embeddings, mels.
+        Shapes follow from the input shapes alone (graph-capturable)."""
+        feats, frames_dev = whisper_log_mel_batch(x16, l16, self.n_mels)
+        codes, _ = self.tokenizer(feats, frames_dev, padded=pad_tok)
+        emb = self.campplus(fbank, fb_dev, padded=pad_fb).float()
+        mel, _ = prompt_mel_batch(xm, lm, self.mel_cfg)
+        head = [torch.full((1,), float(v), device=x16.device) for v in (*codes.shape, emb.shape[1], *mel.shape[1:])]
+        return torch.cat([*head, codes.flatten().float(), emb.flatten(), mel.flatten()])
+
+    @staticmethod
+    def _unpack(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, e, f, m = (int(v) for v in flat[:5])
+        codes, emb, mel = flat[5:].split([b * t, b * e, b * f * m])
+        return codes.view(b, t).long(), emb.view(b, e), mel.view(b, f, m)
+
     def _batch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor], fbank_rows=None) -> list[RawFeatures]:
         size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)
         x16, l16, n16 = self._rows(wav16, size16, "wav16")
         frames = n16 // WHISPER_HOP
-        feats, frames_dev = whisper_log_mel_batch(x16, l16, self.n_mels)
-        codes, _ = self.tokenizer(feats, frames_dev, padded=bool((frames < feats.shape[2]).any()))
         fb_size = 1 + (x16.shape[1] - KALDI_FRAME) // KALDI_SHIFT
         fbank, fb_dev, fb_frames = self._fbank(x16, l16, n16, fbank_rows, fb_size)
-        emb = self.campplus(fbank, fb_dev, padded=bool((fb_frames < fbank.shape[1]).any())).float()
         cfg = self.mel_cfg
         xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate), "wav_mel")
-        mel, _ = prompt_mel_batch(xm, lm, cfg)
+        inputs = (x16, l16, fbank, fb_dev, xm, lm)
+        if len(wav16) <= self.graph_rows:
+            flat = self.graphs(*inputs)
+        else:
+            flat = self._features(*inputs, bool((frames < x16.shape[1] // WHISPER_HOP).any()),
+                                  bool((fb_frames < fbank.shape[1]).any()))
+        codes, emb, mel = self._unpack(self._to_host(flat)[0])
         mel_frames = 1 + (nm + 2 * int((cfg.n_fft - cfg.hop_size) / 2) - cfg.n_fft) // cfg.hop_size
         code_len = token_lengths(frames)
-        codes, emb, mel = self._to_host(codes, emb, mel)
         return [
             RawFeatures(codes[i, : int(code_len[i])].clone(), emb[i : i + 1].clone(),
                         mel[i : i + 1, : int(mel_frames[i])].clone())

@@ -25,6 +25,16 @@ OFFICIAL_FIRST_HOP, OFFICIAL_MAX_HOP = 25, 100
 
 
 @dataclass(frozen=True)
+class SliceSettings:
+    """How the GPU timeline sizes codec work (design.md D15; ``timeline.policy.Limits``)."""
+
+    budget_ms: float  # codec GPU time between two AR steps
+    solve_tokens: int | None  # a flow solve worth starting; None: from the learned costs
+    first_wait_s: float  # a row's first hop waits at most this long for a bigger solve
+    max_wait_s: float  # any hop, at most this long
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything the fast pipeline needs, with every default filled in."""
 
@@ -35,7 +45,7 @@ class RunSettings:
     hops: tuple[int, int, int]  # (first, max, scale) in tokens
     sampling: SamplingParams  # per-row seeds and forced lengths are derived from it
     frontend_workers: int
-    codec_budget_ms: float  # codec GPU time between two AR steps (design.md D15)
+    slices: SliceSettings
     profile: str = ""
 
 
@@ -95,4 +105,5 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     return RunSettings(engine=EngineConfig.from_mapping(ar), codec=codec, process=process,
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
-                       frontend_workers=c.frontend_workers, codec_budget_ms=c.budget_ms, profile=profile.name)
+                       frontend_workers=c.frontend_workers, profile=profile.name,
+                       slices=SliceSettings(c.budget_ms, c.solve_tokens, c.first_wait_ms / 1e3, c.max_wait_ms / 1e3))

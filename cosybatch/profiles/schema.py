@@ -50,6 +50,13 @@ class CodecProfile:
     # GPU milliseconds of codec work queued between two AR steps: bounds the time between a
     # row's tokens; an imminent playback deadline may overrun it (design.md D15).
     budget_ms: float = 6.0
+    # When a flow solve starts (a Euler step costs a fixed few hundred kernels whatever its
+    # size, so tiny solves waste the GPU): once the ready hops make ``solve_tokens``
+    # transformer tokens (null: where the learned fixed cost is a quarter of a step), or a
+    # row's first hop has waited ``first_wait_ms``, or any hop ``max_wait_ms``.
+    solve_tokens: int | None = None
+    first_wait_ms: float = 50.0
+    max_wait_ms: float = 250.0
     # Threads that compute prompt features (ONNX tokenizer, CAM++, mels) ahead of admission.
     frontend_workers: int = 4
 
@@ -250,6 +257,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
+    "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "codec.first_wait_ms": (lambda v: v >= 0, "must be >= 0"),
+    "codec.max_wait_ms": (lambda v: v >= 0, "must be >= 0"),
     "optimizations.hift_graph_counters": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_capture_after": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.prefix_budget_gb": (lambda v: v >= 0, "must be >= 0"),
