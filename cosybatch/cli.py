@@ -383,13 +383,15 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
               help="Write a JSON result file here.")
 @click.option("--prompt-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep prompt features here, keyed by the audio's content.")
+@click.option("--warm-prompts", is_flag=True,
+              help="Compute every prompt's features before measuring: the run without the frontend's model work.")
 @click.option("--workload-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the generated EN1088-shaped workload lives (when no MANIFEST is given).")
 @click.option("--verbose", "-v", is_flag=True)
 @click.option("--pipeline", "factory", default=PIPELINE_FACTORY, hidden=True)
 def profile_command(manifest: Path | None, model: str, device: str, concurrency: int, profile_spec: str,
                     overrides: tuple[str, ...], num_prompts: int | None, num_warmups: int, seed: int,
-                    force_length: bool, result_dir: Path | None, prompt_cache: Path | None,
+                    force_length: bool, result_dir: Path | None, prompt_cache: Path | None, warm_prompts: bool,
                     workload_dir: Path | None, verbose: bool, factory: str) -> None:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
@@ -425,6 +427,9 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     log.info("profile %s, %d request(s) at concurrency %d, %d warm-up(s)", profile.name, len(requests),
              concurrency, num_warmups)
     try:
+        if warm_prompts:
+            log.info("prompt features of %d prompt(s) computed before measuring",
+                     pipeline.warm_prompts(r.row.prompt_wav for r in requests))
         result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
     except PipelineContractError as e:
         _fail(f"benchmark aborted: {e}", EXIT_FAILED)
@@ -434,7 +439,8 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     Console().print(result_table(result, title))
     if result_dir is not None:
         meta = {"model_id": model, "device": device, "profile": profile.to_dict(), "manifest": str(manifest),
-                "force_length": force_length, "seed": seed, "environment": environment()}
+                "force_length": force_length, "warm_prompts": warm_prompts, "seed": seed,
+                "environment": environment()}
         path = write_result(result, result_dir, meta, profile.name)
         log.info("result written to %s", path)
     sys.exit(EXIT_FAILED if result.metrics["failed"] else EXIT_OK)

@@ -205,6 +205,16 @@ class FastPipeline:
         while len(self._marks) > 2:
             self._marks.popleft().synchronize()
 
+    def warm_prompts(self, wav_paths) -> int:
+        """Compute and cache the features of these prompts now, in batches, so that requests
+        using them later pay no frontend model work (``profile --warm-prompts``: the same run
+        with the frontend's work removed). Returns the number of distinct paths."""
+        paths = list(dict.fromkeys(str(p) for p in wav_paths))
+        loaded = list(self._pool.map(self.frontend.load, paths))
+        for i in range(0, len(loaded), 64):
+            self.frontend.features(loaded[i: i + 64])
+        return len(paths)
+
     def close(self) -> None:
         """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
         let the frontend finish its disk-cache writes."""

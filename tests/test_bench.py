@@ -273,10 +273,11 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
         str(m), "--model", str(model_dir), "--device", "cpu", "-c", "2", "--num-warmups", "1", "--force-length",
         "--profile", "packed_streaming_optimized_standard", "--set", "ar.dtype=float32",
         "--set", "codec.flow_dtype=float32", "--set", "ar.cuda_graphs=false",
-        "--set", "optimizations.hift_graphs=false", "--result-dir", str(tmp_path / "res")])
+        "--set", "optimizations.hift_graphs=false", "--warm-prompts", "--result-dir", str(tmp_path / "res")])
     assert r.exit_code == 0, r.output
     (path,) = (tmp_path / "res").glob("*.json")
     doc = json.loads(path.read_text())
+    assert doc["warm_prompts"] is True
     assert doc["completed"] == 4 and doc["failed"] == 0 and doc["audio_throughput"] > 0
     assert all(t is not None and t > 0 for t in doc["ttfps"])
 

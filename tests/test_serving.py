@@ -107,6 +107,30 @@ def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
     assert ends["good"].kind == "done" and len(chunks["good"]) == 1
 
 
+def test_warm_prompts_leave_the_run_only_cache_hits(model_dir, fixtures_dir):
+    """``profile --warm-prompts``: every prompt's features are computed before the run, so
+    the rows then read them from the cache and give the same audio."""
+    from cosybatch.checkpoint import load_models
+    from cosybatch.frontend import Frontend
+    from cosybatch.profiles import load_profile
+    from cosybatch.serving import FastPipeline
+
+    models = load_models(model_dir)
+    rows = _rows(fixtures_dir)[:3]
+    reqs = [(r.utt_id, r, False) for r in rows]
+    profile = load_profile("default", FP32)
+    cold, _ = _drain(FastPipeline.from_profile(models, Frontend(model_dir, models.cfg), profile, torch.device("cpu")),
+                     reqs, force_tokens=20)
+    frontend = Frontend(model_dir, models.cfg)
+    pipe = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
+    assert pipe.warm_prompts([r.prompt_wav for r in rows] * 2) == 3
+    misses = frontend._cache.stats["misses"]
+    warm, ends = _drain(pipe, reqs, force_tokens=20)
+    assert frontend._cache.stats["misses"] == misses and all(e.kind == "done" for e in ends.values())
+    for r in rows:
+        assert_wave_close(np.concatenate(warm[r.utt_id]), np.concatenate(cold[r.utt_id]), r.utt_id)
+
+
 def test_auto_dtype_is_bfloat16_on_cuda_float32_on_cpu():
     from cosybatch.config import resolve_dtype
 

@@ -23,9 +23,9 @@ def test_pick_jobs_orders_imminent_deadlines_first_hops_deadlines_arrival():
     # time passes: c and d become imminent and overtake the first hops
     got = [h.segment_id for h in pick_jobs(hops, STREAM, COSTS, ar_active=False, now=4.9)]
     assert got == ["f", "c", "d", "b", "e", "a"]
-    # full responses: first hops first, then arrival (deadlines do not apply)
+    # full responses: arrival order (no players, no first-chunk latency to protect)
     got = [h.segment_id for h in pick_jobs(hops, FULL, COSTS, ar_active=False)]
-    assert got == ["b", "e", "a", "c", "d", "f"]
+    assert got == ["a", "b", "c", "d", "e", "f"]
 
 
 def test_pick_jobs_one_hop_per_segment_and_caps():
@@ -90,6 +90,27 @@ def test_hift_runs_for_first_chunks_and_deadlines_else_batches_up():
     assert plan(0.0, STREAM, COSTS, True, None, [], lazy).hift == ("a",)  # nothing else competes
     full = [Mel(f"m{i}", i, False, INF, 10) for i in range(8)]
     assert len(plan(0.0, STREAM, COSTS, True, None, waiting, full).hift) == 8  # a full batch goes
+
+
+def test_full_responses_batch_hift_and_solves_for_throughput():
+    """In full mode every mel is its row's first (and only) chunk: that alone does not send it
+    to HiFT. A batch goes when full, when the flow has nothing else to do, when the AR engine
+    is idle, or when a mel has waited max_wait_s; and a solve does not start early for a first hop."""
+    lim = Limits(streaming=False, budget_ms=20.0, max_jobs=8, max_hift=4, max_wait_s=0.25)
+    waiting = [hop("n", 9, first=True, ready_at=1.0)]
+    mels = [Mel(f"m{i}", i, True, INF, 100, ready_at=1.0) for i in range(3)]
+    assert plan(1.01, lim, COSTS, True, None, waiting, mels).hift == ()  # the flow has work: grow the batch
+    assert plan(1.01, lim, COSTS, True, None, waiting, mels + [Mel("m3", 3, True, INF, 100, 1.0)]).hift == \
+        ("m0", "m1", "m2", "m3")  # full
+    assert plan(1.01, lim, COSTS, True, None, [], mels).hift == ("m0", "m1", "m2")  # nothing else to do
+    assert plan(1.01, lim, COSTS, False, None, waiting, mels).hift == ("m0", "m1", "m2")  # no more tokens coming
+    assert plan(1.26, lim, COSTS, True, None, waiting, mels).hift == ("m0", "m1", "m2")  # waited max_wait_s
+    costs = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=2.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
+    first = [hop("f", 1, first=True, tokens=600, ready_at=1.0)]
+    assert not worth_starting(1.06, lim, costs, True, first)  # streaming would start here (first_wait_s)
+    assert worth_starting(1.26, lim, costs, True, first)
+    # the same mels in streaming go at once: a listener waits for each first chunk
+    assert plan(1.01, STREAM, COSTS, True, None, waiting, mels).hift == ("m0", "m1", "m2")
 
 
 def _simulate(lim, arrivals, n_steps=10, iterations=2000, ar_ms=2.0, tokens=1000):

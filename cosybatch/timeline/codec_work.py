@@ -42,6 +42,7 @@ class Hop:
 class _Mel:
     hop: Hop
     mel: torch.Tensor  # [1, mel, F] on the device
+    ready_at: float = 0.0  # host time its solve was queued
 
 
 @dataclass
@@ -84,6 +85,7 @@ class CodecWork:
     _retry_hift: deque = field(default_factory=deque)
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
     _warned: set = field(default_factory=set)
+    _now: float = 0.0  # the clock of the iteration being planned
     # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames
     counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames"), 0))
 
@@ -117,6 +119,7 @@ class CodecWork:
     def run(self, now: float, ar_active: bool, deadline: Callable[[str], float]) -> bool:
         """Queue this iteration's codec slices; True if any was queued. The halves of a failed
         call run first, each alone, before the policy starts anything new."""
+        self._now = now
         did = False
         if self._retry_hift:
             self._hift_batch(self._retry_hift.popleft())
@@ -128,8 +131,8 @@ class CodecWork:
         retrying = {id(h) for g in self._retry_flow for h in g}
         ready = [q[0] for q in self.hops.values() if q and not self._in_active(q[0]) and id(q[0]) not in retrying]
         p_hops = [policy.Hop(h.job.segment_id, h.order, h.first, deadline(h.row_id), h.tokens, h.ready_at) for h in ready]
-        p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2])
-                  for m in self.mels]
+        p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2],
+                             m.ready_at) for m in self.mels]
         plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels)
         if plan.hift:
             self._run_hift(set(plan.hift))
@@ -186,7 +189,7 @@ class CodecWork:
             if q and q[0] is h:
                 q.popleft()
             if h.job.segment_id not in self._dead:
-                self.mels.append(_Mel(h, mel))
+                self.mels.append(_Mel(h, mel, self._now))
         self._release_dead()
 
     def _release_dead(self) -> None:

@@ -10,8 +10,11 @@ what the budget buys:
   it already has runs out at real time, so players never underrun; such work may overrun the
   budget;
 - **then first hops**: a row with no audio yet waits for its first chunk (time to first PCM);
-- **then** earliest playback deadline (streaming) or oldest first (full responses: throughput,
-  the largest solve the budget allows).
+- **then** earliest playback deadline.
+
+Full responses have no players and every row's one chunk is its first, so there the policy
+is throughput alone: oldest first, solves as large as the budget allows, and HiFT batches that
+fill up (or wait ``max_wait_s``) unless the flow has nothing left to do.
 
 A new solve waits until it is worth its fixed cost: it starts once the ready hops make a
 solve of ``solve_tokens`` (a Euler step has a fixed cost of a few hundred kernels, so tiny
@@ -52,6 +55,7 @@ class Mel:
     first: bool
     deadline: float
     frames: int  # window frames HiFT will decode
+    ready_at: float = 0.0  # when its flow solve was queued
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class SlicePlan:
 def _key(lim: Limits, now: float):
     if lim.streaming:
         return lambda h: (h.deadline - now > lim.urgent_s, not h.first, h.deadline, h.order)
-    return lambda h: (not h.first, h.order)
+    return lambda h: h.order
 
 
 def _target(lim: Limits, costs: Costs) -> float:
@@ -143,7 +147,7 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
     if sum(h.tokens for h in per_segment.values()) >= _target(lim, costs):
         return True
     return any(h.deadline - now <= lim.urgent_s
-               or now - h.ready_at >= (lim.first_wait_s if h.first else lim.max_wait_s) for h in hops)
+               or now - h.ready_at >= (lim.first_wait_s if h.first and lim.streaming else lim.max_wait_s) for h in hops)
 
 
 def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,
@@ -152,14 +156,18 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
     budget = lim.budget_ms if ar_active else INF
     urgent = lambda d: d - now <= lim.urgent_s  # noqa: E731
     spent = 0.0
-    # HiFT first when its output is what someone waits for (a first chunk, a deadline), when
-    # a batch is full, or when nothing else competes; else it accumulates a bigger batch.
+    # HiFT first when its output is what someone waits for (streaming: a first chunk, a
+    # deadline; full responses: a mel that waited max_wait_s), when a batch is full, or when
+    # nothing else competes; else it accumulates a bigger batch.
     hift: tuple[str, ...] = ()
     if mels:
         queue = sorted(mels, key=_key(lim, now))[: lim.max_hift]
         flow_waiting = solve is not None or bool(hops)
-        if (not ar_active or not flow_waiting or len(mels) >= lim.max_hift
-                or any(m.first or urgent(m.deadline) for m in queue)):
+        if lim.streaming:
+            someone_waits = any(m.first or urgent(m.deadline) for m in queue)
+        else:
+            someone_waits = any(now - m.ready_at >= lim.max_wait_s for m in queue)
+        if not ar_active or not flow_waiting or len(mels) >= lim.max_hift or someone_waits:
             hift = tuple(m.segment_id for m in queue)
             spent += costs.hift(sum(m.frames for m in queue))
     steps = 0
