@@ -236,6 +236,10 @@ def result_table(result: BenchResult, title: str):
     for k, v in (tl.get("batches") or {}).items():
         if v is not None:
             rows.append((f"batches: {k}", f"{v:g}"))
+    for k, g in (tl.get("graphs") or {}).items():
+        if g and "hit_rate" in g:
+            mb = (g.get("pool_bytes") or g.get("pool_reserved_bytes") or 0) / 2**20
+            rows.append((f"graphs: {k} hit rate / pool MB (since start-up)", f"{g['hit_rate']:.2f} / {mb:,.0f}"))
     if result.gpu_memory:
         g = result.gpu_memory
         rows.append(("GPU memory peak: allocated / reserved / device (GiB)",

@@ -321,6 +321,11 @@ class Frontend:
         with self._paths_lock:
             self._paths.clear()
 
+    def graph_stats(self) -> dict | None:
+        """The GPU frontend's CUDA-graph cache counters (None without one)."""
+        graphs = getattr(self._impl, "graphs", None)
+        return graphs.stats.as_dict() if graphs is not None else None
+
     def close(self) -> None:
         """Write the pending disk-cache entries and stop the writer (call at the end of a run;
         the in-memory cache stays usable)."""

@@ -159,10 +159,21 @@ class FastPipeline:
             "prefill_graph_share": per("prefill_graphed", "prefill_calls"),
             **{k: d[k] for k in ("flow_calls", "hift_batches", "prefill_calls")},
         }
+        out["graphs"] = self._graph_stats()
         if reset:
             self.acct.reset()
             self._counter_base = now
         return out
+
+    def _graph_stats(self) -> dict:
+        """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
+        flow, hift = self.codec.flow.graphs, self.codec.hift.graphs
+        pg = self.engine.runner.prefill_graphs
+        stats = getattr(self.frontend, "graph_stats", lambda: None)()
+        return {"flow": flow.stats.as_dict() if flow is not None else None,
+                "hift": hift.stats.as_dict() if hift is not None else None,
+                "frontend": stats,
+                "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None}
 
     def _counters(self) -> dict[str, int]:
         """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""

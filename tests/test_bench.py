@@ -278,6 +278,11 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     (path,) = (tmp_path / "res").glob("*.json")
     doc = json.loads(path.read_text())
     assert doc["warm_prompts"] is True
+    b = doc["timeline"]["batches"]
+    assert b["flow_calls"] > 0 and b["flow_jobs_per_solve"] >= 1 and b["flow_tokens_per_step"] > 0
+    assert b["hift_batches"] > 0 and b["hift_jobs_per_batch"] >= 1 and b["prefill_seqs_per_call"] >= 1
+    assert b["prefill_graph_share"] == 0  # no CUDA: every prefill eager
+    assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill"}
     assert doc["completed"] == 4 and doc["failed"] == 0 and doc["audio_throughput"] > 0
     assert all(t is not None and t > 0 for t in doc["ttfps"])
 
