@@ -128,9 +128,14 @@ class GraphCacheStats:
         return self.hits / self.calls if self.calls else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "failed_keys"}
-        d["hit_rate"] = round(self.hit_rate, 4)
-        return d
+        return stats_dict(self)
+
+
+def stats_dict(stats) -> dict:
+    """A graph cache's counters for reports: every field but the failed keys, and the hit rate."""
+    d = {k: v for k, v in vars(stats).items() if k != "failed_keys"}
+    d["hit_rate"] = round(stats.hit_rate, 4)
+    return d
 
 
 class GraphCache:

@@ -20,6 +20,7 @@ import torch
 
 from cosybatch.codec.flow_step import StepBuffers
 from cosybatch.cuda_graphs import GraphPool
+from cosybatch.graph_cache import stats_dict
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ class FlowGraphStats:
         return self.replays / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "failed_keys"}
-        d["hit_rate"] = round(self.hit_rate, 4)
-        return d
+        return stats_dict(self)
 
 
 @dataclass
