@@ -1,5 +1,6 @@
 """Runs the LM for the engine: prefill of admitted sequences, one decode step for the running
-rows, sampling and per-row device state, and CUDA-graph capture/replay of the decode step.
+rows, sampling and per-row device state, and CUDA-graph capture/replay of the decode step (and,
+through ``prefill_graphs``, of small prefills).
 
 Decode rows are compact (the scheduler keeps running sequences in rows 0..n-1); a step runs the
 smallest captured bucket >= n, and padding rows point at the scratch KV block with ``active``
