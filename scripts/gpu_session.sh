@@ -2,7 +2,9 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests codec hift frontend c32 c64 c64seed full synth devices quick
+# steps: tests codec flowsweep hift frontend c32 c32warm c64 c64seed full synth devices quick
+#        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
+#        baseline to run in the same lease)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cosybatch-out}; mkdir -p "$OUT"
@@ -35,13 +37,26 @@ for step in "$@"; do
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
         --full-jobs 32,64 --stream-rows 32 --reps 2 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
+    flowsweep) log "bench_codec: graphed full passes vs size (fixed cost per Euler step) + eager kernel profile"
+      timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
+        --full-jobs 2,4,8,16,32 --profile 8 --no-baseline --reps 2 --json "$OUT/bench_flowsweep.json" 2>&1 \
+        | tee "$OUT/bench_flowsweep.txt" | grep -v "^#" ;;
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"
       timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
+    c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
+    base) setup; log "baseline ad1324d: seed profile C32"
+      rm -rf /tmp/base && mkdir -p /tmp/base && git archive ad1324d | tar -x -C /tmp/base || exit 1
+      ( cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/site && export PYTHONPATH &&
+        { [ -f /tmp/ckpt-base/llm.pt ] || python3 -m cosybatch.cli make-checkpoint /tmp/ckpt-base --size full --seed 0 >/dev/null; } &&
+        timeout 300 python3 -m cosybatch.cli profile $WL/meta.lst --model /tmp/ckpt-base --device cuda \
+          --profile packed_streaming_optimized_standard --concurrency 32 --num-prompts 1088 --num-warmups 64 \
+          --force-length --result-dir "$OUT/base" ) > "$OUT/profile-base.txt" 2>&1
+      echo "rc=$?" >> "$OUT/profile-base.txt"; tail -30 "$OUT/profile-base.txt" ;;
     c64) setup; prof c64 packed_streaming_c64 64 1088 64 ;;
     full) setup; prof full256 default 256 1088 64 ;;
     synth) setup; log "synth default --force-length 1088 rows"
