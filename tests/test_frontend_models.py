@@ -200,7 +200,7 @@ def test_the_graphed_path_equals_the_exact_path(standins):
     """Chunks of at most ``graph_rows`` prompts run the models' masked path (what a CUDA graph
     captures, whether or not a row is padded) and come back packed in one tensor: the same
     tokens, embeddings and mels as the exact path, prompt by prompt. On the CPU the cache runs
-    that function eagerly; GPU tests replay it from graphs."""
+    that function eagerly; GPU tests replay it from graphs. A chunk of 3 is padded to 4 rows."""
     from cosybatch.graph_cache import GraphCache
 
     fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0)
@@ -211,7 +211,9 @@ def test_the_graphed_path_equals_the_exact_path(standins):
     impl.graphs = GraphCache(lambda *t: impl._features(*t, True, True), enabled=False)
     masked = [fe.raw_features([p])[0] for p in loaded]
     assert impl.graphs.stats.calls == len(loaded)
-    for a, b in zip(exact, masked):
+    three = fe.raw_features(loaded[:3])  # padded to 4 rows with a copy of the last prompt
+    assert impl.graphs.stats.calls == len(loaded) + 1 and len(three) == 3
+    for a, b in zip(exact + exact[:3], masked + three):
         assert torch.equal(a.tokens, b.tokens)
         assert (a.embedding - b.embedding).abs().max() <= 1e-5
         assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5

@@ -14,7 +14,9 @@ the final copy. On CUDA, chunks of at most ``graph_rows`` prompts (the latency c
 trickling in one by one) replay a CUDA graph per shape instead of launching ~1,100 kernels:
 the graph runs the masked (padded) path of every model, which the batched path already runs
 for every row shorter than its chunk's longest, and returns codes, embedding and mel packed in
-one tensor, so one copy brings them back.
+one tensor, so one copy brings them back. Such chunks are padded to 1, 2 or 4 rows (copies of
+their last prompt, whose results are dropped), so the shapes -- and the graphs ``warmup``
+captures -- stay few: 1 row at every length bucket, 2 and 4 rows up to 10 s.
 
 The Kaldi fbank (CAM++ input) normally arrives precomputed by the CPU part, with the reference
 function: the log energy of a low-energy band is limited by float32 FFT rounding, so the
@@ -75,7 +77,7 @@ class _Staging:
 class DeviceFrontend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
-                 bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 64):
+                 bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128):
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -194,6 +196,12 @@ class DeviceFrontend:
         return codes.view(b, t).long(), emb.view(b, e), mel.view(b, f, m)
 
     def _batch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor], fbank_rows=None) -> list[RawFeatures]:
+        n = len(wav16)
+        graphed = n <= self.graph_rows
+        if graphed:  # 1, 2 or 4 rows: the batched models treat rows independently
+            extra = (1 << (n - 1).bit_length()) - n
+            wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
+            fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
         size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)
         x16, l16, n16 = self._rows(wav16, size16, "wav16")
         frames = n16 // WHISPER_HOP
@@ -202,7 +210,7 @@ class DeviceFrontend:
         cfg = self.mel_cfg
         xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate), "wav_mel")
         inputs = (x16, l16, fbank, fb_dev, xm, lm)
-        if len(wav16) <= self.graph_rows:
+        if graphed:
             flat = self.graphs(*inputs)
         else:
             flat = self._features(*inputs, bool((frames < x16.shape[1] // WHISPER_HOP).any()),
@@ -213,7 +221,7 @@ class DeviceFrontend:
         return [
             RawFeatures(codes[i, : int(code_len[i])].clone(), emb[i : i + 1].clone(),
                         mel[i : i + 1, : int(mel_frames[i])].clone())
-            for i in range(len(wav16))
+            for i in range(n)
         ]
 
     # ---- single-purpose helpers ---------------------------------------------------------------
@@ -236,8 +244,9 @@ class DeviceFrontend:
 
     def warmup(self, max_seconds: float = 30.0) -> None:
         """One prompt of each length bucket up to ``max_seconds`` (exact bucket lengths: the
-        unpadded path), then one padded pair: afterwards no prompt pays for lazy CUDA setup, a
-        kernel's first load or a first cuDNN/cuFFT plan of its shape."""
+        unpadded path), chunks of 2 and 4 up to 10 s, then one padded pair: afterwards no prompt
+        pays for lazy CUDA setup, a kernel's first load, a first cuDNN/cuFFT plan of its shape
+        or (on CUDA) the capture of its graph."""
         step = self.bucket_s if self.bucket_s > 0 else max_seconds
         rate = self.mel_cfg.sampling_rate
 
@@ -250,6 +259,9 @@ class DeviceFrontend:
         for k in range(1, n_buckets + 1):
             a = row(min(k * step, max_seconds))
             self.compute([a[0]], [a[1]], [a[2]])
+            for rows in (2, 4):
+                if rows <= self.graph_rows and k * step <= 10.0:
+                    self.compute([a[0]] * rows, [a[1]] * rows, [a[2]] * rows)
         pair = [row(1.3), row(2.0)]
         self.compute(*[[r[i] for r in pair] for i in range(3)])
         if self.device.type == "cuda":
