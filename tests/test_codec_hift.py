@@ -65,6 +65,20 @@ def test_cached_istft_bit_equal_to_torch(n_fft, hop):
     assert ist.envelope(121, "cpu") is env  # cached per frame count
 
 
+def test_cached_istft_checks_nola_once_when_made():
+    """A window whose overlap-add vanishes somewhere is refused at construction (torch.istft
+    refuses it at every call); a valid one never checks again, so no call syncs a GPU."""
+    w = hann_window_periodic(16)
+    with pytest.raises(ValueError, match="NOLA"):
+        CachedISTFT(16, 16, w)  # no overlap: the periodic Hann window is 0 at every frame start
+    for frames in (2, 3, 5):  # what torch.istft says of the same window
+        with pytest.raises(RuntimeError):
+            torch.istft(torch.ones(1, 9, frames, dtype=torch.complex64), 16, 16, 16, window=w)
+    ist = CachedISTFT(16, 4, w)
+    for n in range(2, 40):  # every count's envelope is what torch.istft divides by: bounded away from 0
+        assert float(ist.envelope(n, "cpu").min()) > 0.1
+
+
 def test_cached_istft_ragged_rows_equal_their_own_istft():
     w = hann_window_periodic(16)
     ist = CachedISTFT(16, 4, w)

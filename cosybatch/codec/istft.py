@@ -3,7 +3,11 @@
 ``torch.istft`` recomputes the overlap-add envelope of the squared window every call and
 reads its minimum back to the host (the NOLA check) -- a device sync in the middle of
 the vocoder, which also makes it uncapturable in a CUDA graph. The envelope depends
-only on the frame count, so it is built (and checked) once per count and cached.
+only on the frame count, so it is built once per count and cached. The NOLA check runs once,
+on the CPU, when the ISTFT is made: a trimmed envelope is a start pattern, a part periodic
+in ``hop`` and an end pattern, all of which appear in the envelopes of the frame counts it
+checks, so a window that passes has a non-zero envelope at every count (no sync, ever, on
+the device).
 
 The arithmetic is the one ``torch.istft(center=True, onesided, return_complex=False)``
 performs (ATen ``istft``): ``irfft`` with 1/n scaling, times the window, overlap-add by
@@ -43,6 +47,23 @@ class CachedISTFT:
         self._windows: dict[tuple, torch.Tensor] = {}
         self._env: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
+        self._check_nola()
+
+    def _check_nola(self) -> None:
+        """Every count up to where start and end patterns stop overlapping, and one beyond."""
+        w2 = self.window.detach().to("cpu", torch.float64).pow(2)
+        period = -(-self.n_fft // self.hop)
+        for n in list(range(2, 2 * period + 3)) + [4 * period + 7]:
+            env = self._overlap_add(w2, n)
+            if env.numel() and float(env.abs().min()) < 1e-11:
+                raise ValueError(f"window overlap-add is ~0 somewhere for {n} frames (NOLA)")
+
+    def _overlap_add(self, w2: torch.Tensor, n_frames: int) -> torch.Tensor:
+        """The trimmed overlap-add of ``n_frames`` copies of ``w2`` (the squared window)."""
+        full = self.n_fft + self.hop * (n_frames - 1)
+        env = _unfold_backward(w2.expand(1, n_frames, self.n_fft), [1, full], 1, self.n_fft, self.hop)
+        half = self.n_fft // 2
+        return env[0, half: full - half].contiguous()
 
     # ------------------------------------------------------------------ envelope
     def _window_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -57,10 +78,8 @@ class CachedISTFT:
         return self.hop * (n_frames - 1)
 
     def envelope(self, n_frames: int, device, dtype=torch.float32) -> torch.Tensor:
-        """Trimmed squared-window overlap-add for ``n_frames`` frames: [hop*(n_frames-1)].
-
-        Built like ``torch.istft`` builds it; the NOLA check runs here, once per count.
-        """
+        """Trimmed squared-window overlap-add for ``n_frames`` frames: [hop*(n_frames-1)],
+        built like ``torch.istft`` builds it (its NOLA check ran at construction)."""
         device = torch.device(device)
         key = (n_frames, str(device), dtype)
         with self._lock:
@@ -70,13 +89,7 @@ class CachedISTFT:
                 return env
         if n_frames < 1:
             raise ValueError("need at least one frame")
-        w2 = self._window_on(device, dtype).pow(2).expand(1, n_frames, self.n_fft)
-        full = self.n_fft + self.hop * (n_frames - 1)
-        env = _unfold_backward(w2, [1, full], 1, self.n_fft, self.hop)
-        half = self.n_fft // 2
-        env = env[0, half: full - half].contiguous()
-        if env.numel() and float(env.abs().min()) < 1e-11:  # one sync per frame count
-            raise ValueError(f"window overlap-add is ~0 somewhere for {n_frames} frames (NOLA)")
+        env = self._overlap_add(self._window_on(device, dtype).pow(2), n_frames)
         with self._lock:
             self._env[key] = env
             while len(self._env) > self.max_cached:
