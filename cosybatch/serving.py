@@ -221,9 +221,7 @@ class FastPipeline:
         using them later pay no frontend model work (``profile --warm-prompts``: the same run
         with the frontend's work removed). Returns the number of distinct paths."""
         paths = list(dict.fromkeys(str(p) for p in wav_paths))
-        loaded = list(self._pool.map(self.frontend.load, paths))
-        for i in range(0, len(loaded), 64):
-            self.frontend.features(loaded[i: i + 64])
+        self.frontend.features(list(self._pool.map(self.frontend.load, paths)))  # batched by the frontend
         return len(paths)
 
     def close(self) -> None:

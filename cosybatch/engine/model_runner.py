@@ -143,10 +143,9 @@ class ModelRunner:
         ``collect`` returns those ids."""
         for s in seqs:
             self.bind(s, s.row)
-        logits = None
         if self.prefill_graphs is not None:
             logits = self.prefill_graphs.run(*self.executor.prefill_inputs(seqs))
-        if logits is None:
+        else:
             logits = self.executor.prefill(seqs)
         rows = h2d([s.row for s in seqs], torch.long, self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.long, device=self.device)

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from cosybatch.cuda_graphs import GraphPool
-from cosybatch.hostcopy import copy_in
+from cosybatch.hostcopy import copy_in, h2d
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,14 @@ class PrefillGraphs:
         graph, _ = self.pool.capture(lambda: logits.copy_(self.executor.prefill_from(inp, last)))
         self._graphs[t] = (graph, static, logits)
 
-    def run(self, inp: torch.Tensor, last: list[int]) -> torch.Tensor | None:
-        """Logits [len(last), Vp] of the prefill ``inp`` (a host [5, T] tensor) from the
-        smallest bucket that holds it, or None when none does."""
+    def run(self, inp: torch.Tensor, last: list[int]) -> torch.Tensor:
+        """Logits [len(last), Vp] of the prefill ``inp`` (a host [5, T] tensor): from the
+        smallest bucket that holds it, else eager from the same inputs."""
         t = inp.shape[1]
         bucket = next((b for b in sorted(self._graphs) if b >= t), None)
         if bucket is None or len(last) > self.max_seqs:
             self.eager += 1
-            return None
+            return self.executor.prefill_from(h2d(inp, device=self.device), h2d(last, torch.long, self.device))
         graph, static, logits = self._graphs[bucket]
         flat = self._padding(bucket)
         flat[: 5 * bucket].view(5, bucket)[:, :t] = inp
