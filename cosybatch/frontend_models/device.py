@@ -36,9 +36,9 @@ import torch
 
 from cosybatch.audio.features import WHISPER_HOP
 from cosybatch.config import MelConfig
-from cosybatch.graph_cache import GraphCache
 from cosybatch.frontend_models.features import (KALDI_FRAME, KALDI_SHIFT, kaldi_fbank_batch, pad_frames, pad_rows,
                                                 prompt_mel_batch, whisper_log_mel_batch)
+from cosybatch.graph_cache import GraphCache
 from cosybatch.models.campplus import CAMPPlus
 from cosybatch.models.campplus_fast import CAMPPlusFast
 from cosybatch.models.s3tokenizer import S3TokenizerV3, token_lengths

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from cosybatch.audio.features import WHISPER_HOP, WHISPER_N_FFT
 from cosybatch.audio.mel import kaldi_mel_banks, slaney_mel_filterbank
 from cosybatch.config import MelConfig
+from cosybatch.models.masks import length_mask
 
 KALDI_FRAME = 400  # 25 ms at 16 kHz
 KALDI_SHIFT = 160  # 10 ms
@@ -44,10 +45,6 @@ def _window(n: int, periodic: bool, power: float, device: str, dtype) -> torch.T
     return torch.hann_window(n, periodic=periodic, device=device, dtype=dtype).pow(power)
 
 
-def row_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
-
-
 def pad_reflect(wav: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
     """[B, N] -> [B, N + 2 pad], each row reflect-padded at both of its own ends (like
     F.pad(mode='reflect') on the row alone); samples past a row's padded end are junk."""
@@ -69,7 +66,7 @@ def whisper_log_mel_batch(wav: torch.Tensor, lengths: torch.Tensor, n_mels: int 
     power = stft[..., :t].abs() ** 2
     mel = _slaney(16000, WHISPER_N_FFT, n_mels, 0.0, None, *_key(wav)) @ power
     log_spec = torch.clamp(mel, min=1e-10).log10()
-    valid = row_mask(frames, t)[:, None, :]
+    valid = length_mask(frames, t)[:, None, :]
     peak = log_spec.masked_fill(~valid, float("-inf")).amax(dim=(1, 2), keepdim=True)
     log_spec = torch.maximum(log_spec, peak - 8.0)
     return ((log_spec + 4.0) / 4.0) * valid, frames
@@ -91,7 +88,7 @@ def kaldi_fbank_batch(wav: torch.Tensor, lengths: torch.Tensor, n_mels: int = 80
     eps = torch.tensor(torch.finfo(torch.float32).eps, device=wav.device, dtype=wav.dtype)
     feats = torch.max(feats, eps).log()
     count = (1 + (lengths - KALDI_FRAME) // KALDI_SHIFT).clamp(min=0)
-    valid = row_mask(count, feats.shape[1])[:, :, None]
+    valid = length_mask(count, feats.shape[1])[:, :, None]
     mean = (feats * valid).sum(1, keepdim=True) / count.clamp(min=1)[:, None, None]
     return (feats - mean) * valid, count
 
@@ -109,7 +106,7 @@ def prompt_mel_batch(wav: torch.Tensor, lengths: torch.Tensor, cfg: MelConfig):
     basis = _slaney(cfg.sampling_rate, cfg.n_fft, cfg.num_mels, cfg.fmin, cfg.fmax, *_key(wav))
     mel = torch.log(torch.clamp(torch.matmul(basis, mag), min=1e-5))
     frames = 1 + (lengths + 2 * pad - cfg.n_fft) // cfg.hop_size
-    valid = row_mask(frames, mel.shape[2])[:, None, :]
+    valid = length_mask(frames, mel.shape[2])[:, None, :]
     return (mel * valid).transpose(1, 2), frames
 
 
@@ -138,4 +135,4 @@ def pad_frames(rows: list[torch.Tensor], size: int = 0, out: torch.Tensor | None
     return out, lengths
 
 
-__all__ = ["pad_frames", "whisper_log_mel_batch", "kaldi_fbank_batch", "prompt_mel_batch", "pad_reflect", "pad_rows", "row_mask"]
+__all__ = ["pad_frames", "whisper_log_mel_batch", "kaldi_fbank_batch", "prompt_mel_batch", "pad_reflect", "pad_rows"]

@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cosybatch.models.masks import length_mask
+
 
 @dataclass(frozen=True)
 class CAMPPlusConfig:
@@ -64,10 +66,6 @@ class CAMPPlusConfig:
     @property
     def fcm_out(self) -> int:
         return self.m_channels * self.fcm_freq
-
-
-def _valid(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -143,7 +141,7 @@ class TimeStats:
     """Per-batch helpers for masked means over time: whole row and ``seg_len`` segments."""
 
     def __init__(self, lengths: torch.Tensor, frames: int, seg_len: int, dtype: torch.dtype):
-        self.keep = _valid(lengths, frames)[:, None].to(dtype)  # [B, 1, T]
+        self.keep = length_mask(lengths, frames)[:, None].to(dtype)  # [B, 1, T]
         self.count = lengths.to(dtype)[:, None, None]  # [B, 1, 1]
         self.frames, self.seg_len = frames, seg_len
         n_seg = -(-frames // seg_len)
@@ -281,7 +279,7 @@ class CAMPPlus(nn.Module):
         dtype = self.head.conv1.weight.dtype
         lengths = lengths.to(device=feats.device, dtype=torch.long)
         x = feats.to(dtype).transpose(1, 2)
-        keep = _valid(lengths, x.shape[2]).to(dtype)[:, None, None, :]
+        keep = length_mask(lengths, x.shape[2]).to(dtype)[:, None, None, :]
         return self.xvector(self.head(x, keep), lengths, keep[:, 0])
 
 

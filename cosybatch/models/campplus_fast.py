@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cosybatch.models.campplus import CAMPPlus, _valid
+from cosybatch.models.campplus import CAMPPlus
+from cosybatch.models.masks import length_mask
 
 
 def _bn(bn: nn.BatchNorm1d) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +133,7 @@ class CAMPPlusFast(nn.Module):
         x = feats.to(dtype).transpose(1, 2)
         if padded is None:
             padded = bool((lengths < x.shape[2]).any())
-        keep = _valid(lengths, x.shape[2]).to(dtype)[:, None, None, :] if padded else None
+        keep = length_mask(lengths, x.shape[2]).to(dtype)[:, None, None, :] if padded else None
         x = m.xvector.tdnn(m.head(x, keep), None if keep is None else keep[:, 0])  # [B, C, T']
         lengths = m.xvector.tdnn.out_lengths(lengths)
         plan = _Plan(lengths, x.shape[2], cfg.seg_len, dtype, padded)

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cosybatch.models.masks import length_mask
+
 FSQ_SCALE = 0.9990000128746033  # float32(0.999): keeps tanh away from +-1 before rounding
 ATTN_MASK_VALUE = -1.0e10  # additive bias on padded keys, as in the official graph
 
@@ -71,10 +73,6 @@ def conv_out_lengths(lengths: torch.Tensor) -> torch.Tensor:
 def token_lengths(feat_lengths: torch.Tensor) -> torch.Tensor:
     """25 Hz codes per row for ``feat_lengths`` 100 Hz frames: ceil(ceil(L/2)/2) = ceil(L/4)."""
     return conv_out_lengths(conv_out_lengths(feat_lengths))
-
-
-def _valid(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -182,11 +180,11 @@ class S3TokenizerV3(nn.Module):
         dtype = self.conv1.weight.dtype
         x = feats.to(dtype)
         if padded:
-            x = x * _valid(lengths, x.shape[2])[:, None].to(dtype)
+            x = x * length_mask(lengths, x.shape[2])[:, None].to(dtype)
         x = F.gelu(self.conv1(x))
         lengths = conv_out_lengths(lengths)
         if padded:
-            x = x * _valid(lengths, x.shape[2])[:, None].to(dtype)
+            x = x * length_mask(lengths, x.shape[2])[:, None].to(dtype)
         x = F.gelu(self.conv2(x))
         lengths = conv_out_lengths(lengths)
         t = x.shape[2]
@@ -194,7 +192,7 @@ class S3TokenizerV3(nn.Module):
             raise ValueError(f"{t} tokens exceed the rotary table ({self.cfg.max_positions})")
         keep = bias = None
         if padded:
-            valid = _valid(lengths, t)
+            valid = length_mask(lengths, t)
             keep = valid[:, :, None].to(dtype)
             bias = ((~valid).to(dtype) * ATTN_MASK_VALUE)[:, None, None, :]
         h = self.cfg.heads
