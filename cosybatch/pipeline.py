@@ -137,8 +137,9 @@ class FastSynthesizer:
         return self.pipeline.stage_busy()
 
     def timeline(self) -> dict:
-        """The pipeline's GPU-timeline accounting since start-up (``serving.FastPipeline``)."""
-        return self.pipeline.timeline()
+        """The pipeline's GPU-timeline accounting since start-up (``serving.FastPipeline``).
+        timing.json is rewritten every few seconds of a run: a snapshot, never a GPU sync."""
+        return self.pipeline.timeline(settle=False)
 
     def close(self) -> None:
         """Stop and join every thread the pipeline started (safe to call twice)."""

@@ -140,11 +140,11 @@ class FastPipeline:
                 "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
                 "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": busy.get("hift", 0.0)}
 
-    def timeline(self, reset: bool = False, wall_s: float | None = None) -> dict:
+    def timeline(self, reset: bool = False, wall_s: float | None = None, settle: bool = True) -> dict:
         """AR step times, slice durations, busy and idle shares, host time per iteration
         (since the start or the last reset; shares of ``wall_s`` if given); ``reset`` starts a
-        new window."""
-        out = self.acct.summary(wall_s)
+        new window; ``settle=False``: a snapshot of the finished slices, without a GPU sync."""
+        out = self.acct.summary(wall_s, settle)
         now = self._counters()
         base = self._counter_base
         d = {k: v - base.get(k, 0) for k, v in now.items()}

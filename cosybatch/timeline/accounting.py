@@ -76,8 +76,10 @@ class Accounting:
     def busy_s(self) -> dict[str, float]:
         return {k: sum(v) / 1e3 for k, v in self.ms.items()}
 
-    def summary(self, wall_s: float | None = None) -> dict:
-        if self.cuda:
+    def summary(self, wall_s: float | None = None, settle: bool = True) -> dict:
+        """``settle``: wait for the GPU first, so slices still running are counted; without it
+        only the finished ones are (a snapshot that never stalls the pipeline)."""
+        if self.cuda and settle:
             torch.cuda.synchronize()
         self.poll()
         wall = wall_s if wall_s is not None else time.perf_counter() - self._t0
