@@ -33,7 +33,7 @@ from .progress import setup_logging, warn_failed_rows
 from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
 from .runner import RunError, run_synth
 from .sharding import Shard, ShardError, parse_shard, select, shard_from_env
-from .synth_options import DEFAULT_FACTORY, SynthOptions
+from .synth_options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
 from .writer import WAV_SUBTYPES
 
 log = logging.getLogger("cosybatch.cli")
@@ -89,16 +89,10 @@ def _closing(synthesizer: Any) -> Any:
     try:
         yield synthesizer
     finally:
-        close = getattr(synthesizer, "close", None)
-        if close is not None:
-            # The ledger and timing.json are on disk by now: a second Ctrl-C or SIGTERM while
-            # the threads are joined exits at once instead of breaking off the joins.
-            with _on_signals((signal.SIGINT, signal.SIGTERM), _exit_for_signal):
-                try:
-                    close()
-                except Exception as e:
-                    log.warning("shutting the synthesizer down failed: %s: %s", type(e).__name__, e)
-                    log.debug("close() failed", exc_info=True)
+        # The ledger and timing.json are on disk by now: a second Ctrl-C or SIGTERM while
+        # the threads are joined exits at once instead of breaking off the joins.
+        with _on_signals((signal.SIGINT, signal.SIGTERM), _exit_for_signal):
+            close_synthesizer(synthesizer)
 
 
 def _exit_now(code: int) -> None:

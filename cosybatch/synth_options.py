@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_FACTORY = "cosybatch.pipeline:build_synthesizer"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,3 +46,16 @@ class SynthOptions:
     def stream_for(self, synth) -> bool:
         """The mode rows are synthesized in: as asked, else the synthesizer's (its profile's)."""
         return self.stream if self.stream is not None else bool(getattr(synth, "streaming", False))
+
+
+def close_synthesizer(synth: Any) -> None:
+    """``close()`` a synthesizer that has one (joining its threads); a failure there is only
+    logged: the rows are recorded by then."""
+    close = getattr(synth, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as e:
+        log.warning("shutting the synthesizer down failed: %s: %s", type(e).__name__, e)
+        log.debug("close() failed", exc_info=True)

@@ -19,7 +19,7 @@ from .devices import Slot
 from .exits import EXIT_USAGE, Interrupted, interrupt_exit_code
 from .manifest import Manifest
 from .sharding import Shard
-from .synth_options import SynthOptions
+from .synth_options import SynthOptions, close_synthesizer
 
 log = logging.getLogger("cosybatch.worker")
 
@@ -136,12 +136,7 @@ def run(job: Job) -> int:
     except KeyboardInterrupt as e:  # a second signal during the runner's own cleanup
         return interrupt_exit_code(e)
     finally:
-        close = getattr(synth, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as e:  # the rows are recorded already; only say so
-                log.warning("shutting the synthesizer down failed: %s: %s", type(e).__name__, e)
+        close_synthesizer(synth)
 
 
 def main(job: Job, conn: Any) -> None:
