@@ -85,7 +85,6 @@ class CodecWork:
     _retry_hift: deque = field(default_factory=deque)
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
     _warned: set = field(default_factory=set)
-    _now: float = 0.0  # the clock of the iteration being planned
     # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames
     counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames"), 0))
 
@@ -119,7 +118,6 @@ class CodecWork:
     def run(self, now: float, ar_active: bool, deadline: Callable[[str], float]) -> bool:
         """Queue this iteration's codec slices; True if any was queued. The halves of a failed
         call run first, each alone, before the policy starts anything new."""
-        self._now = now
         did = False
         if self._retry_hift:
             self._hift_batch(self._retry_hift.popleft())
@@ -138,21 +136,21 @@ class CodecWork:
             self._run_hift(set(plan.hift))
             did = True
         if plan.flow_steps:
-            self._steps(plan.flow_steps)
+            self._steps(plan.flow_steps, now)
             did = True
         if self.active is None and self._retry_flow:
-            self._start(self._retry_flow.popleft(), 1)
+            self._start(self._retry_flow.popleft(), 1, now)
             did = True
         elif plan.start and self.active is None:
             by_seg = {h.job.segment_id: h for h in ready}
-            self._start([by_seg[s] for s in plan.start], plan.start_steps)
+            self._start([by_seg[s] for s in plan.start], plan.start_steps, now)
             did = True
         return did
 
     def _in_active(self, hop: Hop) -> bool:
         return self.active is not None and any(h is hop for h in self.active.hops)
 
-    def _start(self, hops: list[Hop], steps: int) -> None:
+    def _start(self, hops: list[Hop], steps: int, now: float) -> None:
         t = self.acct.start("flow_start")
         try:
             solve = self.flow.start([h.job for h in hops])
@@ -163,9 +161,9 @@ class CodecWork:
         self.acct.end(t)
         self.active = _Active(solve, hops, solve.buffers.stride * 2)
         if steps:
-            self._steps(steps)
+            self._steps(steps, now)
 
-    def _steps(self, n: int) -> None:
+    def _steps(self, n: int, now: float) -> None:
         a = self.active
         tokens = a.tokens
         t = self.acct.start("flow_step", lambda ms: self.costs.observe_flow_step(tokens, ms / n))
@@ -189,7 +187,7 @@ class CodecWork:
             if q and q[0] is h:
                 q.popleft()
             if h.job.segment_id not in self._dead:
-                self.mels.append(_Mel(h, mel, self._now))
+                self.mels.append(_Mel(h, mel, now))
         self._release_dead()
 
     def _release_dead(self) -> None:
