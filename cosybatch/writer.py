@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -119,6 +120,21 @@ def _replace_atomically(final: Path, chunks: Iterable[bytes], tag: str) -> int:
         raise
     fsync_dir(final.parent)
     return size
+
+
+@contextlib.contextmanager
+def replaced_on_success(final: Path) -> Iterator[Path]:
+    """A temporary path beside ``final`` for a library that writes to a path (safetensors,
+    ONNX): renamed onto ``final`` when the block ends normally, removed otherwise, so no reader
+    sees a torn file. Unique per process and thread. (The run's own records go through
+    ``atomic_write_bytes``, which also fsyncs and reports storage faults.)"""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        _unlink_quietly(tmp)
 
 
 def atomic_write_bytes(final: Path, data: bytes, tag: str = "") -> None:

@@ -119,18 +119,10 @@ class GraphBuilder:
 
 def save_atomic(model, path) -> None:
     """Write next to ``path`` and rename, so an interrupted write never leaves a torn model."""
-    import os
-    from pathlib import Path
+    from cosybatch.writer import replaced_on_success
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(model.SerializeToString())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with replaced_on_success(path) as tmp:
+        tmp.write_bytes(model.SerializeToString())
 
 
 __all__ = ["GraphBuilder", "OPSET", "IR_VERSION", "save_atomic", "onnx_module"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
-import os
 import queue
 import threading
 import weakref
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from cosybatch.prompt import PromptFeatures
+from cosybatch.writer import replaced_on_success
 
 log = logging.getLogger("cosybatch.frontend")
 FORMAT = "cosybatch-prompt-features-v1"
@@ -77,14 +77,9 @@ class DiskStore:
 
         p = self.path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
+        with replaced_on_success(p) as tmp:
             save_file({"speech_tokens": f.speech_tokens.contiguous(), "embedding": f.embedding.contiguous(),
                        "mel": f.mel.contiguous()}, str(tmp), metadata={"format": FORMAT, "key": key})
-            os.replace(tmp, p)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
 
 
 class PromptCache:
