@@ -18,8 +18,9 @@ fill up (or wait ``max_wait_s``) unless the flow has nothing left to do.
 
 A new solve waits until it is worth its fixed cost: it starts once the ready hops make a
 solve of ``solve_tokens`` (a Euler step has a fixed cost of a few hundred kernels, so tiny
-solves waste the GPU), or a first hop has waited ``first_wait_s``, or any hop ``max_wait_s``,
-or a deadline is near, or the AR engine is idle (no more tokens are coming soon).
+solves waste the GPU), or (streaming) a first hop has waited ``first_wait_s``, or any hop
+``max_wait_s``, or a deadline is near, or the AR engine is idle (no more tokens are coming
+soon).
 
 Starvation-free: a waiting hop's deadline only gets nearer until it is imminent, and imminent
 hops outrank everything; within a class the order is by deadline, then arrival; and no hop
