@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests codec flowsweep hift frontend c32 c32warm c64 c64seed full synth devices quick
+# steps: tests codec flowsweep flowprof hift frontend c32 c32warm c64 c64seed full synth devices quick
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -41,6 +41,9 @@ for step in "$@"; do
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
         --full-jobs 2,4,8,16,32 --profile 8 --no-baseline --reps 2 --json "$OUT/bench_flowsweep.json" 2>&1 \
         | tee "$OUT/bench_flowsweep.txt" | grep -v "^#" ;;
+    flowprof) log "profile_flow: graphed step time vs rows (fixed cost fit) + eager kernel profile"
+      timeout 300 python3 scripts/profile_flow.py --rows 1,2,4,8,16,32 --hop 1 --profile-rows 4 \
+        --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"

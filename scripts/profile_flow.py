@@ -1,0 +1,153 @@
+"""Where a flow Euler step's time goes at the sizes the streaming pipeline runs.
+
+For streaming hops of ``--rows`` rows in lock step (prompt 5 s, prefix reused, the mid-row
+hop), per row count: GPU milliseconds per Euler step from graph replays (CUDA events), padded
+tokens per step, and the fit ``ms = fixed + per_token * tokens`` over the row counts. Then
+one kernel profile of the eager step at ``--profile-rows`` rows: the kernels by GPU time per
+Euler step, with launch counts, so the fixed part can be named. Random full-size weights.
+  python scripts/profile_flow.py --rows 1,2,4,8,16,32 --profile-rows 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_codec import build_flow, make_rows  # noqa: E402
+
+from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
+from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
+
+
+def hop_jobs(rows, tag, hop):
+    plans = [(i, pr, tok, plan_segment(HopSchedule(), pr.speech_tokens.shape[0], tok.numel()))
+             for i, (pr, tok) in enumerate(rows)]
+    out = []
+    for h in range(hop + 1):
+        out.append([FlowJob((tag, i), tok, pr, c[h]) for i, pr, tok, c in plans if h < len(c) and not c[h].finalize])
+    return out
+
+
+def gpu_ms(fn, device) -> float:
+    """Milliseconds ``fn``'s queued work takes (CUDA events; wall clock elsewhere)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1)
+
+
+def time_hop(runner, rows, tag, hop, reps):
+    """Run hops 0..hop-1 to build the prefix, then time hop ``hop``'s steps ``reps`` times."""
+    seq = hop_jobs(rows, tag, hop)
+    for jobs in seq[:-1]:
+        runner.run(jobs)
+    ms, tokens = [], 0
+    for r in range(reps):
+        before = runner.stats["padded_tokens"]
+        solve = runner.start(seq[-1])
+        solve.step(1)  # first step may capture the bucket's graph: not timed
+        ms.append(gpu_ms(lambda: solve.step(runner.n_steps - 1), runner.device) / (runner.n_steps - 1))
+        solve.finish()
+        tokens = runner.stats["padded_tokens"] - before
+        # put the prefix back where the timed hop found it (finish committed the hop)
+        if r + 1 < reps:
+            for i in range(len(rows)):
+                runner.release((tag, i))
+            for jobs in seq[:-1]:
+                runner.run(jobs)
+    for i in range(len(rows)):
+        runner.release((tag, i))
+    return float(np.median(ms)), tokens
+
+
+def kernel_profile(runner, rows, hop, top):
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = hop_jobs(rows, "prof", hop)
+    for jobs in seq[:-1]:
+        runner.run(jobs)
+    solve = runner.start(seq[-1])
+    solve.step(1)
+    cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        solve.step(1)
+        sync()
+    solve.step(runner.n_steps - 2)
+    solve.finish()
+    rows_out = []
+    for ev in prof.key_averages():
+        t = (getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)) if cuda \
+            else ev.self_cpu_time_total
+        if t > 0 and ev.count > 0:
+            rows_out.append((t, ev.count, ev.key))
+    rows_out.sort(reverse=True)
+    total = sum(r[0] for r in rows_out)
+    launches = sum(r[1] for r in rows_out)
+    print(f"# kernel profile, one eager Euler step, {len(rows)} rows: {total / 1e3:.2f} ms of kernels, "
+          f"{launches} launches", flush=True)
+    for t, n, k in rows_out[:top]:
+        print(f"  {t / 1e3:7.3f} ms {100 * t / total:5.1f} % x{n:4d}  {k[:110]}", flush=True)
+    return {"kernel_ms": total / 1e3, "launches": launches,
+            "top": [{"ms": t / 1e3, "count": n, "kernel": k} for t, n, k in rows_out[:top]]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--hop", type=int, default=2, help="which hop of the rows to time (0 = the first)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile-rows", type=int, default=4)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--size", default="full", choices=["tiny", "small", "full"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    flow = build_flow(args.size, args.device)
+    cuda = args.device.startswith("cuda")
+    cfg = flow.cfg
+    out = {"rows": []}
+    dtype = torch.bfloat16 if cuda else torch.float32
+    runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
+                        graphs=cuda, graph_capacity=64)
+    for n in [int(x) for x in args.rows.split(",") if x]:
+        rows = make_rows(cfg, n, 125, 250, args.device, seed=n)
+        ms, tok = time_hop(runner, rows, ("r", n), args.hop, args.reps)
+        out["rows"].append({"rows": n, "ms_per_step": ms, "padded_tokens": tok})
+        print(f"graphed step, {n:3d} rows, hop {args.hop}: {ms:6.3f} ms per Euler step, {tok:6d} padded tokens "
+              f"({1e3 * ms / max(tok, 1):.3f} us/token)", flush=True)
+    if len(out["rows"]) >= 2:
+        x = np.array([r["padded_tokens"] for r in out["rows"]], float)
+        y = np.array([r["ms_per_step"] for r in out["rows"]])
+        slope, icpt = np.polyfit(x, y, 1)
+        out["fit"] = {"fixed_ms": icpt, "us_per_token": 1e3 * slope}
+        print(f"fit: {icpt:.3f} ms fixed + {1e3 * slope:.3f} us per padded token", flush=True)
+    out["graphs"] = runner.graphs.stats.as_dict() if runner.graphs else {}
+    del runner
+    eager = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30)
+    rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
+    out["profile"] = kernel_profile(eager, rows, args.hop, args.top)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
