@@ -233,6 +233,9 @@ def result_table(result: BenchResult, title: str):
         rows.append((f"GPU busy: {k} (share of wall)", f"{v:.0%}"))
     if "host_ms_per_iteration" in tl:
         rows.append(("host ms per iteration p50 / mean", "{p50:.2f} / {mean:.2f}".format(**tl["host_ms_per_iteration"])))
+    if "host_busy_ms_per_iteration" in tl:
+        rows.append(("host ms per iteration not waiting for the GPU p50 / mean",
+                     "{p50:.2f} / {mean:.2f}".format(**tl["host_busy_ms_per_iteration"])))
     for k, v in (tl.get("batches") or {}).items():
         if v is not None:
             rows.append((f"batches: {k}", f"{v:g}"))

@@ -214,7 +214,8 @@ class FastPipeline:
         ev.record()
         self._marks.append(ev)
         while len(self._marks) > 2:
-            self._marks.popleft().synchronize()
+            with self.acct.waiting():
+                self._marks.popleft().synchronize()
 
     def warm_prompts(self, wav_paths) -> int:
         """Compute and cache the features of these prompts now, in batches, so that requests
@@ -281,7 +282,8 @@ class FastPipeline:
         speech tokens on the host. A batch that fails is retried prompt by prompt."""
         t = self.acct.start("frontend")
         try:
-            feats = self.frontend.features([loaded for _, loaded, _ in ready])
+            with self.acct.waiting():  # the results' read back to the host dominates on the host side
+                feats = self.frontend.features([loaded for _, loaded, _ in ready])
             out = [(req, f, text) for (req, _, text), f in zip(ready, feats)]
         except Exception:
             out = []
@@ -345,7 +347,8 @@ class FastPipeline:
         # that step is AR work on the timeline too, so it is accounted like a launched one.
         t = self.acct.start("ar_decode")
         try:
-            outs = self.engine.collect()
+            with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
+                outs = self.engine.collect()
         except Exception as e:
             self.acct.cancel(t)
             self._engine_failed(e)
@@ -446,7 +449,8 @@ class FastPipeline:
     def _idle(self) -> None:
         """Nothing was queued: wait for the GPU's oldest chunk, or briefly for the frontend."""
         if self.codec.outbox:
-            self._take_audio(wait=True)
+            with self.acct.waiting():
+                self._take_audio(wait=True)
             return
         with self._wake:
             if not self._closed and not any(f.done() for _, f in self._preparing.values()):

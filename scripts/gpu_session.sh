@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests codec flowsweep flowprof hift frontend c32 c32warm c64 c64seed full synth devices quick
+# steps: tests flowtests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32warm c64 c64seed full synth devices quick
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -25,9 +25,20 @@ setup() {
 prof() {  # tag profile concurrency prompts warmups [extra...]
   local tag=$1 p=$2 c=$3 n=$4 w=$5; shift 5
   log "profile $tag: $p C$c N$n W$w $*"
+  # the share of time any kernel runs (nvidia-smi's utilization.gpu), sampled beside the run:
+  # the slice times cannot tell a GPU waiting for the host from one busy with small kernels
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/util-$tag.csv" 2>/dev/null &
+  local smi=$!
   timeout 300 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
     --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" > "$OUT/profile-$tag.txt" 2>&1
-  echo "rc=$?" >> "$OUT/profile-$tag.txt"; tail -40 "$OUT/profile-$tag.txt"
+  echo "rc=$?" >> "$OUT/profile-$tag.txt"; kill $smi 2>/dev/null
+  python3 - "$OUT/util-$tag.csv" <<'PY' | tee -a "$OUT/profile-$tag.txt"
+import sys
+v = [float(x) for x in open(sys.argv[1]).read().split() if x.strip().isdigit()]
+busy = [x for x in v if x > 0]  # drop model load / capture idle before the run
+print(f"nvidia-smi utilization.gpu over {len(busy)} busy samples of 100 ms: mean {sum(busy) / max(1, len(busy)):.1f} %")
+PY
+  tail -44 "$OUT/profile-$tag.txt"
 }
 for step in "$@"; do
   case $step in
@@ -44,12 +55,21 @@ for step in "$@"; do
     flowprof) log "profile_flow: graphed step time vs rows (fixed cost fit) + eager kernel profile"
       timeout 300 python3 scripts/profile_flow.py --rows 1,2,4,8,16,32 --hop 1 --profile-rows 4 \
         --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
+    conv) log "bench_codec --conv: the position convs in each form"
+      timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
+        --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
+    hiftprof) log "profile_hift: host vs GPU ms per streaming HiFT call + kernel profile"
+      timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | tail -50 ;;
+    flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:" "$OUT/flow_tests.txt" | tail -12 ;;
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"
       timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
+    c32cudnn) setup; prof c32cudnn packed_streaming_optimized_standard 32 1088 64 --set codec.flow_conv=cudnn ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
     base) setup; log "baseline ad1324d: seed profile C32"

@@ -283,6 +283,10 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     assert b["hift_batches"] > 0 and b["hift_jobs_per_batch"] >= 1 and b["prefill_seqs_per_call"] >= 1
     assert b["prefill_graph_share"] == 0  # no CUDA: every prefill eager
     assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill"}
+    tl = doc["timeline"]
+    # on the CPU the tokens' read waits for nothing, so the wait is a small part of an iteration
+    assert 0 <= tl["host_wait_share"] < 1
+    assert 0 < tl["host_busy_ms_per_iteration"]["mean"] <= tl["host_ms_per_iteration"]["mean"]
     assert doc["completed"] == 4 and doc["failed"] == 0 and doc["audio_throughput"] > 0
     assert all(t is not None and t > 0 for t in doc["ttfps"])
 

@@ -179,3 +179,23 @@ def test_cost_model_learns_fixed_cost_and_slope():
     frozen = CostModel(learn=False)
     frozen.observe_hift(100, 50.0)
     assert frozen.costs() == CostModel(learn=False).costs()
+
+
+def test_accounting_splits_iterations_into_own_work_and_waits():
+    import time
+
+    import torch
+
+    from cosybatch.timeline.accounting import Accounting
+
+    acct = Accounting(torch.device("cpu"))
+    for wait_s in (0.0, 0.02):
+        t0 = time.perf_counter()
+        with acct.waiting():
+            time.sleep(wait_s)
+        time.sleep(0.005)  # the host's own work
+        acct.iteration((time.perf_counter() - t0) * 1e3)
+    s = acct.summary()
+    assert acct.wait_ms[0] < 1 and 20 <= acct.wait_ms[1] < 40
+    assert 0.4 < s["host_wait_share"] < 0.9
+    assert 4 <= s["host_busy_ms_per_iteration"]["p50"] < 15

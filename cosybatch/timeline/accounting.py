@@ -11,6 +11,7 @@ per iteration.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from collections import defaultdict, deque
 from typing import Callable
 
@@ -25,6 +26,8 @@ class Accounting:
         self._open: deque = deque()  # (kind, start, end, on_done) in queue order
         self.ms: dict[str, list[float]] = defaultdict(list)
         self.host_ms: list[float] = []
+        self.wait_ms: list[float] = []  # per iteration: host time blocked on the GPU
+        self._waiting = 0.0
         self._t0 = time.perf_counter()
 
     def _event(self):
@@ -64,14 +67,28 @@ class Accounting:
             self._done(kind, start.elapsed_time(end), on_done)
             self._free += [start, end]
 
+    @contextmanager
+    def waiting(self):
+        """Bracket host code that blocks on the GPU (a sync, a device-to-host read): what is
+        left of an iteration is the host's own work, which tells a host-bound run from a
+        GPU-bound one (slice times include any gap the GPU spent waiting for the host)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waiting += time.perf_counter() - t0
+
     def reset(self) -> None:
         """Start a new window (slices still open are counted in it)."""
         self.ms.clear()
         self.host_ms.clear()
+        self.wait_ms.clear()
         self._t0 = time.perf_counter()
 
     def iteration(self, host_ms: float) -> None:
         self.host_ms.append(host_ms)
+        self.wait_ms.append(self._waiting * 1e3)
+        self._waiting = 0.0
 
     def busy_s(self) -> dict[str, float]:
         return {k: sum(v) / 1e3 for k, v in self.ms.items()}
@@ -96,4 +113,8 @@ class Accounting:
         if self.host_ms:
             h = np.array(self.host_ms)
             out["host_ms_per_iteration"] = {"p50": round(float(np.median(h)), 4), "mean": round(float(h.mean()), 4)}
+            w = np.array(self.wait_ms)
+            own = h - w
+            out["host_busy_ms_per_iteration"] = {"p50": round(float(np.median(own)), 4), "mean": round(float(own.mean()), 4)}
+            out["host_wait_share"] = round(float(w.sum() / h.sum()), 4) if h.sum() > 0 else None
         return out

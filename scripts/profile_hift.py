@@ -1,0 +1,96 @@
+"""Where a batched HiFT call's time goes at the sizes the streaming pipeline runs.
+
+Streaming rounds of ``--requests`` requests (chunks of 50, 100, 200 mel frames, every request
+advancing one chunk per call; TF32 on, decode graphs as the pipeline uses them): per call,
+the host milliseconds until its work is queued and the GPU milliseconds (CUDA events), then a
+kernel profile of one call by kernel, with launch counts. A call whose host time exceeds
+its GPU time leaves the GPU waiting for the host. Full-size random weights.
+  python scripts/profile_hift.py --requests 6 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_hift import make_mels, make_model, set_tf32, stream_rounds  # noqa: E402
+
+from cosybatch.codec.hift_runner import HiftRunner  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    set_tf32(True)
+    model = make_model(False, dev)
+    runner = HiftRunner(model, graphs=dict(capacity=64, capture_after=1), max_batch=64)
+    mels = make_mels(args.requests, args.seconds, dev)
+    for w in range(2):  # capture on first use, replay on the second
+        for jobs in stream_rounds(mels, f"warm{w}"):
+            runner.run(jobs)
+    torch.cuda.synchronize()
+    calls = []
+    for jobs in stream_rounds(mels, "timed"):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        e0.record()
+        runner.run(jobs)
+        e1.record()
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        calls.append({"jobs": len(jobs), "frames": sum(j.mel.shape[2] for j in jobs), "host_ms": host,
+                      "gpu_ms": e0.elapsed_time(e1)})
+    for c in calls:
+        print(f"call: {c['jobs']} jobs, {c['frames']:5d} new frames: host {c['host_ms']:6.2f} ms, "
+              f"GPU (events, includes waits for the host) {c['gpu_ms']:6.2f} ms", flush=True)
+    host = float(np.median([c["host_ms"] for c in calls]))
+    gpu = float(np.median([c["gpu_ms"] for c in calls]))
+    print(f"median per call: host {host:.2f} ms, GPU {gpu:.2f} ms; graphs {runner.graphs.stats.as_dict()}", flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    rounds = stream_rounds(mels, "prof")
+    runner.run(rounds[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        runner.run(rounds[1])
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, ev.count, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"# kernel profile of one call ({len(rounds[1])} jobs): {total / 1e3:.2f} ms of kernels, "
+          f"{sum(r[1] for r in rows)} launches", flush=True)
+    for t, n, k in rows[: args.top]:
+        print(f"  {t / 1e3:7.3f} ms {100 * t / total:5.1f} % x{n:4d}  {k[:110]}", flush=True)
+    cpu = sorted(((ev.self_cpu_time_total, ev.count, ev.key) for ev in prof.key_averages()), reverse=True)[:15]
+    print("# host: top ops by self CPU time (profiler overhead included)", flush=True)
+    for t, n, k in cpu:
+        print(f"  {t / 1e3:7.3f} ms x{n:4d}  {k[:90]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"calls": calls, "host_ms_p50": host, "gpu_ms_p50": gpu,
+                                               "kernel_ms": total / 1e3,
+                                               "top": [{"ms": t / 1e3, "count": n, "kernel": k} for t, n, k in rows[: args.top]]},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
