@@ -32,7 +32,7 @@ from cosybatch.cuda_graphs import GraphPool
 
 log = logging.getLogger(__name__)
 
-Fn = Callable[..., torch.Tensor]
+Fn = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
 class Captured(Protocol):
@@ -225,7 +225,7 @@ class GraphCache:
         for dst, src in zip(captured.static_inputs, inputs):
             dst.copy_(src)
         captured.replay()
-        return captured.static_output.clone()
+        return _clone(captured.static_output)
 
     def _evict(self, key: Hashable) -> None:
         captured = self._graphs.pop(key)
@@ -257,7 +257,7 @@ class GraphCache:
             return None
         self._graphs[key] = captured
         static = sum(t.numel() * t.element_size() for t in captured.static_inputs)
-        static += captured.static_output.numel() * captured.static_output.element_size()
+        static += sum(t.numel() * t.element_size() for t in _tensors(captured.static_output))
         reserved = int(getattr(captured, "reserved_delta", 0))
         self._bytes[key] = (reserved, static)
         st.pool_reserved_bytes += reserved
@@ -272,6 +272,15 @@ class GraphCache:
         self.stats.graphs = len(self._graphs)
         self.stats.counters = len(self._counters)
         self.stats.disabled = len(self._disabled)
+
+
+def _tensors(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _clone(out):
+    """An owned copy of a replay's output (a tensor or a tuple of tensors)."""
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
 
 def _short(key: tuple) -> str:

@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests flowtests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32warm c64 c64seed full synth devices quick
+# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32warm c64 c64seed full synth devices quick
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -59,10 +59,13 @@ for step in "$@"; do
       timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
         --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
     hiftprof) log "profile_hift: host vs GPU ms per streaming HiFT call + kernel profile"
-      timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | tail -50 ;;
+      timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | cut -c1-120 | tail -45 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:" "$OUT/flow_tests.txt" | tail -12 ;;
+    hifttests) log "pytest -m gpu tests/test_codec_hift.py tests/test_graph_cache.py"
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codec_hift.py tests/test_graph_cache.py > "$OUT/hift_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/hift_tests.txt"; tail -4 "$OUT/hift_tests.txt" ;;
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"

@@ -56,10 +56,12 @@ def time_hop(runner, rows, tag, hop, reps):
     seq = hop_jobs(rows, tag, hop)
     for jobs in seq[:-1]:
         runner.run(jobs)
-    ms, tokens = [], 0
+    ms, host, tokens = [], [], 0
     for r in range(reps):
         before = runner.stats["padded_tokens"]
+        t0 = time.perf_counter()
         solve = runner.start(seq[-1])
+        host.append((time.perf_counter() - t0) * 1e3)
         solve.step(1)  # first step may capture the bucket's graph: not timed
         ms.append(gpu_ms(lambda: solve.step(runner.n_steps - 1), runner.device) / (runner.n_steps - 1))
         solve.finish()
@@ -72,7 +74,7 @@ def time_hop(runner, rows, tag, hop, reps):
                 runner.run(jobs)
     for i in range(len(rows)):
         runner.release((tag, i))
-    return float(np.median(ms)), tokens
+    return float(np.median(ms)), tokens, float(np.median(host))
 
 
 def kernel_profile(runner, rows, hop, top):
@@ -130,10 +132,10 @@ def main(argv=None):
                         graphs=cuda, graph_capacity=64)
     for n in [int(x) for x in args.rows.split(",") if x]:
         rows = make_rows(cfg, n, 125, 250, args.device, seed=n)
-        ms, tok = time_hop(runner, rows, ("r", n), args.hop, args.reps)
-        out["rows"].append({"rows": n, "ms_per_step": ms, "padded_tokens": tok})
+        ms, tok, host = time_hop(runner, rows, ("r", n), args.hop, args.reps)
+        out["rows"].append({"rows": n, "ms_per_step": ms, "padded_tokens": tok, "start_host_ms": host})
         print(f"graphed step, {n:3d} rows, hop {args.hop}: {ms:6.3f} ms per Euler step, {tok:6d} padded tokens "
-              f"({1e3 * ms / max(tok, 1):.3f} us/token)", flush=True)
+              f"({1e3 * ms / max(tok, 1):.3f} us/token); host {host:.2f} ms to start the solve", flush=True)
     if len(out["rows"]) >= 2:
         x = np.array([r["padded_tokens"] for r in out["rows"]], float)
         y = np.array([r["ms_per_step"] for r in out["rows"]])

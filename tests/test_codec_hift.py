@@ -289,3 +289,11 @@ def test_bounded_stream_on_cuda_equals_official(size):
     batched = HiftRunner(model).run([HiftJob(i, m, True) for i, m in enumerate(other)])
     for m, got in zip(other, batched):
         torch.testing.assert_close(got, model.inference(m)[0], rtol=0, atol=TOL)
+    # The whole batch (F0, phase, source, STFT, decode) from one graph: replay == eager on the
+    # same padded shapes (enabled=False: the graph cache's padding, eager calls), bit for bit
+    graphed = HiftRunner(model, graphs=dict(capture_after=1))
+    for tag in ("capture", "replay"):
+        got = graphed.run([HiftJob((tag, i), m, True) for i, m in enumerate(other)])
+        assert all(torch.equal(g, e) for g, e in zip(got, HiftRunner(model, graphs=dict(enabled=False)).run(
+            [HiftJob((tag, i), m, True) for i, m in enumerate(other)])))
+    assert graphed.graphs.stats.hits >= 1

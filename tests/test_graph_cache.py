@@ -15,11 +15,14 @@ class FakeCaptured:
     def __init__(self, fn, inputs):
         self.fn = fn
         self.static_inputs = [x.clone() for x in inputs]
-        self.static_output = fn(*self.static_inputs).clone()
+        out = fn(*self.static_inputs)
+        self.static_output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         self.replays = 0
 
     def replay(self):
-        self.static_output.copy_(self.fn(*self.static_inputs))
+        out = self.fn(*self.static_inputs)
+        for dst, src in zip(*((self.static_output, out) if isinstance(out, tuple) else ((self.static_output,), (out,)))):
+            dst.copy_(src)
         self.replays += 1
 
 
@@ -213,3 +216,12 @@ def test_cuda_capture_failure_is_survived(caplog):
     torch.testing.assert_close(cache(y), base(y), rtol=0, atol=1e-6)
     torch.testing.assert_close(cache(y * 2), base(y * 2), rtol=0, atol=1e-6)
     assert cache.stats.captures == 1 and cache.stats.hits == 1
+
+
+def test_tuple_outputs_are_replayed_and_owned():
+    cache = GraphCache(lambda x: (x * 2, x.sum(0, keepdim=True).double()), backend=FakeBackend(), capture_after=1)
+    a, b = cache(torch.ones(3, 2))
+    c, d = cache(torch.full((3, 2), 2.0))  # a replay: the same buffers recomputed
+    assert torch.equal(a, torch.full((3, 2), 2.0)) and torch.equal(b, torch.full((1, 2), 3.0, dtype=torch.float64))
+    assert torch.equal(c, torch.full((3, 2), 4.0)) and d.dtype == torch.float64 and torch.equal(d, 2 * b)
+    assert cache.stats.hits == 1 and cache.stats.static_bytes == 3 * 2 * 4 + 3 * 2 * 4 + 2 * 8

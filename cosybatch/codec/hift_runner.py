@@ -80,7 +80,7 @@ def left_context(hift: CausalHiFTGenerator) -> tuple[int, int]:
     return f0_ctx, int(math.ceil(total)) + 1
 
 
-def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -> torch.Tensor:
+def continue_phase(rad: torch.Tensor, first: Sequence[int] | torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Running phase (cycles, float64 [B, W, H]) of per-frame increments ``rad`` [B, W, H].
 
     Row b continues from ``acc[b]`` = the sum of all increments before window frame
@@ -90,7 +90,7 @@ def continue_phase(rad: torch.Tensor, first: Sequence[int], acc: torch.Tensor) -
     so the phase is bit-identical there (on CUDA both are parallel scans: ~1 ulp).
     """
     dev = rad.device
-    start = h2d(list(first), torch.long, dev).unsqueeze(1)
+    start = (first if isinstance(first, torch.Tensor) else h2d(list(first), torch.long, dev)).unsqueeze(1)
     keep = torch.arange(rad.shape[1], device=dev).unsqueeze(0) >= start
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     steps = torch.where(keep.unsqueeze(-1), rad.to(torch.float64), zero)
@@ -157,7 +157,7 @@ class HiftRunner:
         if graphs:
             opts = dict(graphs) if isinstance(graphs, dict) else {}
             opts.setdefault("name", "hift_decode")
-            self.graphs = GraphCache(self.decode_padded, **opts)
+            self.graphs = GraphCache(self.vocode, **opts)
         self._states: dict[Hashable, _State] = {}
         self._table: torch.Tensor | None = None
         self._rand_ini: torch.Tensor | None = None
@@ -226,8 +226,13 @@ class HiftRunner:
     def _dummy_inputs(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         dev, dtype = self.device, self.hift.stft_window.dtype
         n_frames = width * self.hift.up_total + 1
+        self._ensure_table(1)
+        harmonics = self.hift.m_source.dim
+        ints = torch.zeros(3, rows, dtype=torch.long, device=dev)
+        ints[1] = width
         return (torch.zeros(rows, self.cfg.in_channels, width, device=dev, dtype=dtype),
-                torch.zeros(rows, self.cfg.n_fft + 2, n_frames, device=dev, dtype=dtype),
+                torch.zeros(rows, width * self.spf, harmonics, device=dev, dtype=dtype),
+                ints, torch.zeros(rows, harmonics, dtype=torch.float64, device=dev), self._rand_ini,
                 self.istft.envelopes([n_frames] * rows, n_frames, dev, dtype),
                 self.istft.frame_mask([n_frames] * rows, n_frames, dev))
 
@@ -324,13 +329,13 @@ class HiftRunner:
         mixed = sines * uv + noise_amp * noise
         return torch.tanh(ms.l_linear(mixed)).transpose(1, 2)
 
-    def _source_stft(self, source: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def _source_stft(self, source: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Centred STFT of each row's first ``lengths[b]`` samples, reflecting at its own end."""
         cfg = self.cfg
         half = cfg.n_fft // 2
         n = source.shape[-1]
         pos = torch.arange(-half, n + half, device=source.device).unsqueeze(0)
-        last = h2d(lengths, torch.long, source.device).unsqueeze(1) - 1
+        last = lengths.unsqueeze(1) - 1
         pos = pos.abs()
         pos = torch.where(pos > last, 2 * last - pos, pos).clamp_(0, n - 1)
         padded = torch.gather(source[:, 0], 1, pos)
@@ -354,40 +359,50 @@ class HiftRunner:
                          envelope, frame_mask)
         return torch.clamp(wav, -self.cfg.audio_limit, self.cfg.audio_limit)
 
+    def vocode(self, mel: torch.Tensor, noise: torch.Tensor, ints: torch.Tensor, acc: torch.Tensor,
+               rand_ini: torch.Tensor, envelope: torch.Tensor, frame_mask: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded batch from device tensors alone, so one CUDA graph serves it: mel windows
+        [B, in, W], their noise rows [B, W*spf, harmonics], ``ints`` [3, B] = (first frame
+        whose phase increment counts, frames with an F0 value, frame whose running phase the
+        row keeps), the rows' phase accumulators ``acc`` [B, harmonics] float64 -> (waveform
+        [B, spf*W], the kept running phase [B, harmonics] float64)."""
+        first, valid, keep_at = ints
+        # F0 (float64 inside the predictor) as if finalize: a streaming row's look-ahead
+        # frames are real, its F0 values past its valid frames are simply not used.
+        f0 = self.hift.f0_predictor(mel, finalize=True).to(mel.dtype)
+        rad = self.hift.m_source.frame_phase_increments(f0, rand_ini)
+        cycles = continue_phase(rad, first, acc)
+        source = self._source(f0, cycles, noise)
+        wav = self.decode_padded(mel, self._source_stft(source, valid * self.spf), envelope, frame_mask)
+        phase = cycles.gather(1, keep_at[:, None, None].expand(-1, 1, cycles.shape[2]))[:, 0]
+        return wav, phase
+
     def _run_batch(self, plans: list[_WindowPlan], outs: list) -> None:
         dev, spf, up = self.device, self.spf, self.hift.up_total
         rows = self._batch_rows(len(plans))
+        pad = rows - len(plans)
         width = self._bucket(max(p.window.shape[1] for p in plans))
         mel = torch.zeros(rows, self.cfg.in_channels, width, device=dev, dtype=plans[0].window.dtype)
         for b, p in enumerate(plans):
             mel[b, :, : p.window.shape[1]] = p.window
-        # F0 (float64 inside the predictor) as if finalize: a streaming row's look-ahead
-        # frames are real, its F0 values past f0_end are simply not used.
-        f0 = self.hift.f0_predictor(mel, finalize=True).to(mel.dtype)
         self._ensure_table(1)
-        rad = self.hift.m_source.frame_phase_increments(f0, self._rand_ini)
-        pad = rows - len(plans)
-        first = [p.state.anchor - p.start for p in plans] + [0] * pad
-        acc = torch.stack([p.state.phase for p in plans] + [plans[0].state.phase.new_zeros(rad.shape[-1])] * pad)
-        cycles = continue_phase(rad, first, acc)
-        starts = [p.start * spf for p in plans] + [0] * (rows - len(plans))
-        source = self._source(f0, cycles, self._noise(starts, width * spf))
-        valid = [(p.f0_end - p.start) for p in plans] + [1] * (rows - len(plans))
-        s_stft = self._source_stft(source, [v * spf for v in valid])
-        frames = [v * up + 1 for v in valid[: len(plans)]] + [1] * (rows - len(plans))
+        valid = [(p.f0_end - p.start) for p in plans] + [1] * pad
+        advance = [p.next_anchor > p.state.anchor for p in plans]
+        ints = h2d([[p.state.anchor - p.start for p in plans] + [0] * pad, valid,
+                    [p.next_anchor - p.start - 1 if adv else 0 for p, adv in zip(plans, advance)] + [0] * pad],
+                   torch.long, dev)
+        acc = torch.stack([p.state.phase for p in plans] + [plans[0].state.phase.new_zeros(self.hift.m_source.dim)] * pad)
+        noise = self._noise([p.start * spf for p in plans] + [0] * pad, width * spf)
+        frames = [v * up + 1 for v in valid[: len(plans)]] + [1] * pad
         env = self.istft.envelopes(frames, width * up + 1, dev, mel.dtype)
         mask = self.istft.frame_mask(frames, width * up + 1, dev)
-        if self.graphs is not None:
-            wav = self.graphs(mel, s_stft, env, mask)
-        else:
-            wav = self.decode_padded(mel, s_stft, env, mask)
-        for b, p in enumerate(plans):
+        args = (mel, noise, ints, acc, self._rand_ini, env, mask)
+        wav, phase = self.graphs(*args) if self.graphs is not None else self.vocode(*args)
+        for b, (p, adv) in enumerate(zip(plans, advance)):
             a = (p.out_start - p.start) * spf
             z = (p.out_end - p.start) * spf
-            new_phase = None
-            if p.next_anchor > p.state.anchor:
-                new_phase = cycles[b, p.next_anchor - p.start - 1].clone()
-            outs[p.job_index] = self._finish(p, wav[b: b + 1, a:z].clone(), new_phase)
+            outs[p.job_index] = self._finish(p, wav[b: b + 1, a:z].clone(), phase[b].clone() if adv else None)
 
     def _finish(self, p: _WindowPlan, wav: torch.Tensor | None, new_phase: torch.Tensor | None) -> torch.Tensor:
         st = p.state
