@@ -22,7 +22,7 @@ class CodecConfig:
     chunk_causal_final: bool = False  # opt-in, not exact (design.md D4)
     flow_compile: bool = False
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
-    flow_graph_capacity: int = 32
+    flow_graph_capacity: int = 256
     hift_graphs: bool = False
     hift_graph_capacity: int = 32
     hift_graph_counters: int = 128

@@ -39,6 +39,7 @@ class FlowGraphStats:
     failures: int = 0
     evictions: int = 0
     entries: int = 0
+    keys: int = 0  # distinct buckets seen: with ``captures`` it tells capacity from key spread
     buffer_bytes: int = 0  # static inputs the live entries hold
     pool_bytes: int = 0  # the shared graph pool's growth during captures (CUDA)
     failed_keys: list = field(default_factory=list)
@@ -78,6 +79,7 @@ class FlowGraphs:
         self.capture = capture if capture is not None else CudaCapture()
         self.enabled = enabled
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._seen: set = set()
         self.stats = FlowGraphStats()
 
     def entry(self, key: Hashable, make: Callable[[], StepBuffers]) -> _Entry:
@@ -88,6 +90,8 @@ class FlowGraphs:
             return e
         while len(self._entries) >= self.capacity:
             self._evict(next(iter(self._entries)))
+        self._seen.add(key)
+        self.stats.keys = len(self._seen)
         buffers = make()
         e = _Entry(buffers, nbytes=_nbytes(buffers))
         self._entries[key] = e

@@ -81,7 +81,7 @@ class Optimizations:
     # [requests per batch, window frames] pairs captured at start-up, before the first request
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
-    flow_graph_capacity: int = 32
+    flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
     flow_compile: bool = False
     prefix_reuse: bool = False
     prefix_budget_gb: float = 8.0
