@@ -119,6 +119,11 @@ class FlowRunner:
             post = torch.compile(block_post, dynamic=True)
         self.tables = self._tables(ConvPositionEmbed(self.dit, conv_form), pre, post)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
+        if graphs and self.device.type == "cuda":
+            # Captured steps hold the arena's address, so every growth re-captures every bucket
+            # (measured: the growth a minute into a C32 run threw away 91 graphs). Take the whole
+            # budget at first use instead (still bounded by free memory).
+            self.cache.first_frames = self.cache.budget_frames
         self._arena_version = 0  # the prefix arena the captured steps point into
         # tokens: transformer rows of real jobs (CFG twins included); padded_tokens: rows run
         # including bucket padding; cached_tokens: rows reused instead; uncached_hops: streaming
