@@ -106,8 +106,10 @@ class ConvPositionEmbed:
       transposes; causal alignment from symmetric padding with the right overhang dropped;
     - ``gemm``: each conv as one batched GEMM over the groups, the 31-frame windows unfolded
       into the reduction ([G, L, k*C] x [G, k*C, C]), and the second conv evaluated at ``at``
-      only. On the H200 cuDNN ran these 16-group convs as one small kernel per group at about
-      12 TFLOP/s, a third of a streaming Euler step (docs/performance.md).
+      only. Eager, cuDNN runs these 16-group convs as one small kernel per group (32 launches,
+      ~1 ms whatever the length); inside a CUDA graph that launch cost is gone, and the
+      unfolded windows' memory traffic made graphed steps of 4 or more rows slower than
+      ``cudnn`` on the H200 (docs/performance.md), so ``cudnn`` is the CUDA default.
     """
 
     def __init__(self, dit: DiT, form: str):

@@ -112,7 +112,7 @@ class FlowRunner:
                                  prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
         if conv_form == "auto":
-            conv_form = "gemm" if self.device.type == "cuda" else "ncl"
+            conv_form = "cudnn" if self.device.type == "cuda" else "ncl"
         pre, post = block_pre, block_post
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
