@@ -21,6 +21,7 @@ from typing import Any
 
 from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .manifest import Manifest
+from .ray_stage import STOP_FILE
 from .resume import finished_rows
 from .sharding import Shard
 from .synth_options import SynthOptions
@@ -183,6 +184,7 @@ class RayRun:
 
                     if remove_stale_actor_tmp(self.out):
                         log.info("removed temp file(s) left by the actors of an interrupted run")
+                    (self.out / STOP_FILE).unlink(missing_ok=True)
                     started = self._connect()
                     with RunProgress(len(self.todo), enabled=not self.quiet) as bar:
                         self._quiet_ray_data(bar)
@@ -193,6 +195,8 @@ class RayRun:
                     log.info("nothing to do: every row is already done")
             except KeyboardInterrupt as e:
                 self.signum = getattr(e, "signum", signal.SIGINT)
+                if started:
+                    self._stop_actors()
                 log.warning("interrupted: finished rows are kept; re-run the same command to resume")
             except ConnectionError as e:
                 self.error = f"cannot reach a Ray cluster at {self.address or '(default)'}: {e}"
@@ -221,6 +225,16 @@ class RayRun:
         if self.error:
             return self.code_for_error
         return EXIT_FAILED if totals["failed"] or totals["invalid"] or totals["pending"] else EXIT_OK
+
+    def _stop_actors(self) -> None:
+        """Tell the actors to commit nothing more, then give a commit already past that check
+        (a WAV rename and a ledger line: milliseconds) time to land before the driver reports."""
+        try:
+            (self.out / STOP_FILE).touch()
+        except OSError as e:
+            log.warning("could not tell the actors to stop (%s); a row in flight may still be written", e)
+            return
+        time.sleep(STOP_GRACE_S)
 
     def _record(self, ledger: Ledger, rec: dict[str, Any]) -> None:
         try:
@@ -251,6 +265,9 @@ class RayRun:
             merge_outputs([self.out], self.out, quiet=True)  # this run's own summary says what is missing
         except (OSError, OutputFault, MergeError) as e:
             log.warning("could not write the run's summary into %s: %s", self.out, e)
+
+
+STOP_GRACE_S = 0.5  # after the stop file: far more than a commit takes, far less than a row
 
 
 def _ray_version() -> str | None:

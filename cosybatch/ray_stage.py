@@ -29,6 +29,10 @@ from .writer import Ledger, OutputFault, latest_rows, read_ledger, remove_quietl
 log = logging.getLogger("cosybatch.ray")
 
 INPUT_COLUMNS = ("utt_id", "prompt_text", "prompt_wav", "target_text")
+# Written into OUT by a driver that was interrupted, before it disconnects: Ray stops the run's
+# actors asynchronously, and an actor mid-row must not commit that row after the driver has
+# reported what is done. The next run's driver removes it before its actors start.
+STOP_FILE = ".cosybatch-ray-stop"
 # (name, arrow type name): what every output row gains; same-named input columns are replaced.
 RESULT_COLUMNS = (("status", "string"), ("wav", "string"), ("audio_s", "float64"), ("tokens", "int64"),
                   ("total_s", "float64"), ("reason", "string"))
@@ -193,6 +197,8 @@ class SynthStage:
         except Exception as e:
             return self._failed(row, f"{type(e).__name__}: {e}")
         wav = self.out / rec["wav"]
+        if (self.out / STOP_FILE).exists():  # the run was interrupted: leave the row to the resume
+            return _result("pending", reason="the run was interrupted before this row was written")
         try:
             rec["wav_bytes"] = write_wav_atomic(wav, audio, rec["sample_rate"], self.options.wav_subtype, tag=self.tag)
         except OSError as e:  # this one file's problem (a full disk is an OutputFault)

@@ -231,3 +231,27 @@ def test_importing_cosybatch_never_imports_ray():
             "cosybatch.ray_stage; print('ray' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_an_actor_commits_nothing_after_the_stop_file(tmp_path):
+    """The actor's side of an interrupt, without Ray: once the driver's stop file exists, a row
+    that finishes is left to the resume (no WAV, no ledger line), and other rows were kept."""
+    pa = pytest.importorskip("pyarrow")
+    from cosybatch.ray_stage import STOP_FILE, SynthStage
+    from cosybatch.synth_options import SynthOptions
+
+    man = make_manifest(tmp_path, 2)
+    rows = [line.split("|") for line in Path(man).read_text().splitlines()]
+    batch = lambda i: pa.table({"utt_id": [rows[i][0]], "prompt_text": [rows[i][1]], "prompt_wav": [rows[i][2]],  # noqa: E731
+                                "target_text": [rows[i][3]], "line": [i + 1]})
+    out = tmp_path / "out"
+    out.mkdir()
+    stage = SynthStage(SynthOptions("fake", factory="fake_synth:build", wav_subtype="FLOAT"), str(out), "cpu",
+                       base_dir=str(Path(man).parent))
+    assert stage(batch(0)).column("status").to_pylist() == ["ok"]
+    (out / STOP_FILE).touch()
+    got = stage(batch(1))
+    assert got.column("status").to_pylist() == ["pending"]
+    assert sorted(p.name for p in out.glob("*.wav")) == [f"{rows[0][0]}.wav"]
+    assert set(ok_counts(out)) == {rows[0][0]}
+    assert not [r for r in records(out) if r.get("utt_id") == rows[1][0]]  # not even a failed line
