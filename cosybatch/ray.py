@@ -27,7 +27,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised by the CLI's message instead
     raise ImportError("cosybatch.ray needs Ray Data: pip install 'cosybatch[ray]'") from e
 
-from .ray_stage import SynthStage
+from .ray_stage import STOP_FILE, SynthStage
 from .synth_options import DEFAULT_FACTORY, SynthOptions
 from .writer import TMP_MARK, latest_rows, read_ledgers, remove_quietly
 
@@ -63,11 +63,13 @@ def placement(device: str = "auto", concurrency: int | tuple[int, int] | None = 
 
 
 def remove_stale_actor_tmp(out: Path) -> int:
-    """Temp files of actors of earlier runs (killed mid-write, or stopped with their run).
+    """Temp files of actors of earlier runs (killed mid-write, or stopped with their run), and
+    an interrupted driver's stop file; returns how many temp files were removed.
 
     Each actor removes its own at start, but a new run's actors have new ids; before any
     starts, every ``.ray-*`` temp in OUT is a leftover (one pipeline per OUT at a time).
     """
+    (out / STOP_FILE).unlink(missing_ok=True)
     n = 0
     for tmp in out.glob(f".*{TMP_MARK}.ray-*"):
         if remove_quietly(tmp):

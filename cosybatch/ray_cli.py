@@ -184,7 +184,6 @@ class RayRun:
 
                     if remove_stale_actor_tmp(self.out):
                         log.info("removed temp file(s) left by the actors of an interrupted run")
-                    (self.out / STOP_FILE).unlink(missing_ok=True)
                     started = self._connect()
                     with RunProgress(len(self.todo), enabled=not self.quiet) as bar:
                         self._quiet_ray_data(bar)
