@@ -142,10 +142,13 @@ def _warmup_requests(requests: Sequence[SynthRequest], n: int) -> list[SynthRequ
 
 
 def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest], concurrency: int,
-                    num_warmups: int = 0, *, clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+                    num_warmups: int = 0, *, clock: Callable[[], float] = time.perf_counter,
+                    host_profile: str | Path | None = None) -> BenchResult:
     """Run ``num_warmups`` warm-ups (copies of the first requests, cycled), drain them, then
     measure ``requests`` at ``concurrency``; wall time runs from the first admission to the
-    last completion."""
+    last completion. ``host_profile``: cProfile the measured run's driving thread (the one
+    that issues all GPU work) into this pstats file: which Python code the host time goes to
+    (cProfile slows that thread, so the run's own figures are not comparable)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if not requests:
@@ -162,7 +165,18 @@ def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest
     timeline = getattr(pipeline, "timeline", None)
     if timeline is not None:
         timeline(reset=True)  # the measured run's window starts here
-    loop = _drive(pipeline, requests, concurrency, clock, on_step=gpu.sample)
+    prof = None
+    if host_profile is not None:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        loop = _drive(pipeline, requests, concurrency, clock, on_step=gpu.sample)
+    finally:
+        if prof is not None:
+            prof.disable()
+            _write_host_profile(prof, Path(host_profile))
     busy1 = pipeline.stage_busy()
     wall = max(loop.t_end - loop.t_start, 1e-9)
     records = []
@@ -182,6 +196,17 @@ def run_closed_loop(pipeline: StreamingPipeline, requests: Sequence[SynthRequest
         stage_busy_s={k: float(busy1.get(k, 0.0)) - float(busy0.get(k, 0.0)) for k in busy1},
         gpu_memory=gpu.result(), warmup_failed=warm_failed,
         timeline=timeline(wall_s=wall) if timeline is not None else None)
+
+
+def _write_host_profile(prof: Any, path: Path, top: int = 25) -> None:
+    import io
+    import pstats
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(path))
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    log.info("host profile of the measured run written to %s; top %d by own time:\n%s", path, top, text.getvalue())
 
 
 def write_result(result: BenchResult, result_dir: str | Path, meta: dict[str, Any], tag: str) -> Path:

@@ -381,12 +381,14 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
               help="Compute every prompt's features before measuring: the run without the frontend's model work.")
 @click.option("--workload-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the generated EN1088-shaped workload lives (when no MANIFEST is given).")
+@click.option("--host-profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="cProfile the thread that drives the pipeline during the measured run into this file.")
 @click.option("--verbose", "-v", is_flag=True)
 @click.option("--pipeline", "factory", default=PIPELINE_FACTORY, hidden=True)
 def profile_command(manifest: Path | None, model: str, device: str, concurrency: int, profile_spec: str,
                     overrides: tuple[str, ...], num_prompts: int | None, num_warmups: int, seed: int,
                     force_length: bool, result_dir: Path | None, prompt_cache: Path | None, warm_prompts: bool,
-                    workload_dir: Path | None, verbose: bool, factory: str) -> None:
+                    workload_dir: Path | None, host_profile: Path | None, verbose: bool, factory: str) -> None:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
 
@@ -424,7 +426,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
         if warm_prompts:
             log.info("prompt features of %d prompt(s) computed before measuring",
                      pipeline.warm_prompts(r.row.prompt_wav for r in requests))
-        result = run_closed_loop(pipeline, requests, concurrency, num_warmups)
+        result = run_closed_loop(pipeline, requests, concurrency, num_warmups, host_profile=host_profile)
     except PipelineContractError as e:
         _fail(f"benchmark aborted: {e}", EXIT_FAILED)
     except KeyboardInterrupt:

@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32warm c64 c64seed full synth devices quick
+# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32host c32warm c64 c64seed full synth devices quick
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -73,6 +73,7 @@ for step in "$@"; do
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32cudnn) setup; prof c32cudnn packed_streaming_optimized_standard 32 1088 64 --set codec.flow_conv=cudnn ;;
+    c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
     base) setup; log "baseline ad1324d: seed profile C32"

@@ -273,7 +273,8 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
         str(m), "--model", str(model_dir), "--device", "cpu", "-c", "2", "--num-warmups", "1", "--force-length",
         "--profile", "packed_streaming_optimized_standard", "--set", "ar.dtype=float32",
         "--set", "codec.flow_dtype=float32", "--set", "ar.cuda_graphs=false",
-        "--set", "optimizations.hift_graphs=false", "--warm-prompts", "--result-dir", str(tmp_path / "res")])
+        "--set", "optimizations.hift_graphs=false", "--warm-prompts", "--result-dir", str(tmp_path / "res"),
+        "--host-profile", str(tmp_path / "host.pstats")])
     assert r.exit_code == 0, r.output
     (path,) = (tmp_path / "res").glob("*.json")
     doc = json.loads(path.read_text())
@@ -283,6 +284,10 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     assert b["hift_batches"] > 0 and b["hift_jobs_per_batch"] >= 1 and b["prefill_seqs_per_call"] >= 1
     assert b["prefill_graph_share"] == 0  # no CUDA: every prefill eager
     assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill"}
+    import pstats
+
+    names = {fn for (_, _, fn) in pstats.Stats(str(tmp_path / "host.pstats")).stats}
+    assert "step" in names  # the pipeline's iterations ran under the profiler
     tl = doc["timeline"]
     # on the CPU the tokens' read waits for nothing, so the wait is a small part of an iteration
     assert 0 <= tl["host_wait_share"] < 1
