@@ -139,7 +139,8 @@ def stats_dict(stats) -> dict:
 
 
 class GraphCache:
-    """Graph-or-eager dispatch for ``fn(*tensors) -> tensor`` keyed by exact shapes.
+    """Graph-or-eager dispatch for ``fn(*tensors) -> tensor`` (or a tuple of tensors) keyed by
+    exact shapes.
 
     ``fn`` must be deterministic given its inputs' values and shapes, and must read no
     other changing tensor. ``capture_after``: capture on that use of a key (1 = first).

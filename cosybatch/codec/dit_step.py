@@ -118,7 +118,7 @@ class ConvPositionEmbed:
         pe = dit.input_embed.conv_pos_embed
         self.k = pe.kernel
         self.form = form
-        self.groups = dit.input_embed.conv_pos_embed.conv1[0].groups
+        self.groups = pe.conv1[0].groups
         self.convs = []
         for seq in (pe.conv1, pe.conv2):
             c = seq[0]

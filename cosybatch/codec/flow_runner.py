@@ -134,8 +134,8 @@ class FlowRunner:
     @classmethod
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
-                   chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, conv_form=cfg.flow_conv, graphs=cfg.flow_graphs,
-                   graph_capacity=cfg.flow_graph_capacity)
+                   chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, conv_form=cfg.flow_conv,
+                   graphs=cfg.flow_graphs, graph_capacity=cfg.flow_graph_capacity)
 
     # ------------------------------------------------------------------ setup
 

@@ -21,8 +21,10 @@ Batching: windows of different requests are right-padded with zeros and decoded 
 Every conv that reads to the right reads only real frames or the zeros the official code
 pads with (F0's and conv_pre's look-ahead); the source STFT reflects at each row's own end;
 the ISTFT masks each row's frames and uses its own envelope (``CachedISTFT``). Rows are
-grouped by window length to bound padding. Only the deterministic decode (mel window +
-source STFT -> waveform) runs through the optional ``GraphCache``.
+grouped by window length to bound padding. The host plans a batch into device tensors
+(windows, noise rows, phase starts and accumulators, valid lengths, envelopes); everything
+after that, F0 through the waveform (``vocode``), is one function of them, which the optional
+``GraphCache`` replays from a graph per (rows, frames) bucket.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class HiftRunner:
         self.graphs: GraphCache | None = None
         if graphs:
             opts = dict(graphs) if isinstance(graphs, dict) else {}
-            opts.setdefault("name", "hift_decode")
+            opts.setdefault("name", "hift")
             self.graphs = GraphCache(self.vocode, **opts)
         self._states: dict[Hashable, _State] = {}
         self._table: torch.Tensor | None = None
