@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32cudnn c32host c32warm c64 c64seed full synth devices quick
+# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm c64 c64seed full synth devices quick
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -55,7 +55,7 @@ for step in "$@"; do
     flowprof) log "profile_flow: graphed step time vs rows (fixed cost fit) + eager kernel profile"
       timeout 300 python3 scripts/profile_flow.py --rows 1,2,4,8,16,32 --hop 1 --profile-rows 4 \
         --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
-    conv) log "bench_codec --conv: the position convs in each form"
+    conv) log "bench_codec --conv: the position convs, NCL vs channels-last, by length"
       timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
         --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
     hiftprof) log "profile_hift: host vs GPU ms per streaming HiFT call + kernel profile"
@@ -72,7 +72,6 @@ for step in "$@"; do
       timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
-    c32cudnn) setup; prof c32cudnn packed_streaming_optimized_standard 32 1088 64 --set codec.flow_conv=cudnn ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;

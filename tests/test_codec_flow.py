@@ -166,10 +166,10 @@ def test_each_row_alone_matches_official(flow, reference_dir, row):
     assert runner.cache.used_frames() == 0  # every segment ended with its final hop
 
 
-@pytest.mark.parametrize("backend,conv", [("sdpa", "ncl"), ("loopvarlen", "ncl"), ("sdpa", "gemm")])
-def test_all_rows_packed_match_official(flow, reference_dir, backend, conv):
+@pytest.mark.parametrize("backend", ["sdpa", "loopvarlen"])
+def test_all_rows_packed_match_official(flow, reference_dir, backend):
     """Per round, one call holds hop i of every streaming row plus a whole-response job."""
-    runner = FlowRunner(flow, conv_form=conv)
+    runner = FlowRunner(flow)
     if backend == "loopvarlen":
         runner.backend = _LoopVarlen()
     streams, fulls = [], []
@@ -299,15 +299,10 @@ def test_conv_layouts_agree_and_keep_rows_apart(flow):
     pe = dit.input_embed
     with torch.no_grad():
         want = [pe.conv_pos_embed(x[None])[0] + x for x in (a, b)]
-        at = torch.cat((torch.arange(k - 1, k - 1 + 40), torch.arange(2 * (k - 1) + 40, len(packed))))
-        for form in ("ncl", "cudnn", "gemm"):
-            got = ConvPositionEmbed(dit, form)(packed, valid, at)
-            torch.testing.assert_close(got[:40], want[0], rtol=0, atol=1e-5)
-            torch.testing.assert_close(got[40:], want[1], rtol=0, atol=1e-5)
-        # frames picked in any order come back in that order
-        pick = at[[50, 3, 41]]
-        torch.testing.assert_close(ConvPositionEmbed(dit, "gemm")(packed, valid, pick),
-                                   ConvPositionEmbed(dit, "ncl")(packed, valid, pick), rtol=0, atol=1e-5)
+        for cl in (False, True):
+            got = ConvPositionEmbed(dit, cl)(packed, valid)
+            torch.testing.assert_close(got[k - 1 : k - 1 + 40], want[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got[2 * (k - 1) + 40 :], want[1], rtol=0, atol=1e-5)
 
 
 def test_functional_block_variant_used_under_compile_is_exact(flow, reference_dir):
@@ -344,14 +339,13 @@ def _bucketed(flow, capacity=32, fail_first=0, **kw):
     return runner
 
 
-@pytest.mark.parametrize("conv", ["ncl", "gemm"])
-def test_bucket_padding_is_inert(flow, reference_dir, conv):
+def test_bucket_padding_is_inert(flow, reference_dir):
     """The same hops through padded graph buckets give the exact path's mels: padded tokens,
     sequences and margin frames change nothing a real row reads."""
     rows = _long_rows(reference_dir, [300, 217, 160], seed=4)
     exact = FlowRunner(flow)
     exact.backend = _LoopVarlen()
-    padded = _bucketed(flow, conv_form=conv)
+    padded = _bucketed(flow)
     for hop in range(max(len(r[3]) for r in rows)):
         jobs = [FlowJob(name, tok, pr, c[hop]) for name, pr, tok, c in rows if hop < len(c)]
         for a, b in zip(exact.run(jobs), padded.run(jobs)):

@@ -17,7 +17,6 @@ class CodecConfig:
     max_num_seqs: int = 16  # rows (hops or whole responses) per packed flow / HiFT call
     flow_dtype: "torch.dtype | None" = None  # None: the flow module's own dtype
     attention: str = "auto"  # auto | sdpa | varlen | flash (see codec/attention.py)
-    flow_conv: str = "auto"  # auto | ncl | cudnn | gemm: the position convs' form (codec/dit_step.py)
     prefix_budget_bytes: int = 0  # 0: streaming hops recompute their prefix (no K/V reuse)
     chunk_causal_final: bool = False  # opt-in, not exact (design.md D4)
     flow_compile: bool = False

@@ -91,78 +91,45 @@ def block_modulation(blk, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return shift, 1 + scale, gate, shift_m, 1 + scale_m, gate_m
 
 
-CONV_FORMS = ("ncl", "cudnn", "gemm")
-
-
 class ConvPositionEmbed:
-    """``CausalConvPositionEmbedding(h) + h`` over a packed conv layout h [L, D], returned at
-    the frames ``at`` (the tokens; the rest of the layout is gaps and conv margins).
+    """``CausalConvPositionEmbedding(h) + h`` over a packed conv layout h [L, D].
 
     Rows are separated by at least ``kernel - 1`` zero frames (``valid`` = 0) and the first
     conv's output is re-zeroed there, so each row sees exactly the official zero padding.
-    Three forms of the same two grouped convs:
-    - ``ncl``: the module's own [1, D, L] conv1d (fastest on CPUs);
-    - ``cudnn``: the time-major activations read as a channels-last [1, D, 1, L] image, no
-      transposes; causal alignment from symmetric padding with the right overhang dropped;
-    - ``gemm``: each conv as one batched GEMM over the groups, the 31-frame windows unfolded
-      into the reduction ([G, L, k*C] x [G, k*C, C]), and the second conv evaluated at ``at``
-      only. Eager, cuDNN runs these 16-group convs as one small kernel per group (32 launches,
-      ~1 ms whatever the length); inside a CUDA graph that launch cost is gone, and the
-      unfolded windows' memory traffic made graphed steps of 4 or more rows slower than
-      ``cudnn`` on the H200 (docs/performance.md), so ``cudnn`` is the CUDA default.
+    ``channels_last``: the time-major activations already are a channels-last [1, D, 1, L]
+    image, the layout cuDNN's grouped-conv kernels prefer, so no transposes are needed and the
+    causal alignment comes from symmetric implicit padding with the right overhang dropped.
+    Otherwise the module's own [1, D, L] form (faster on CPUs). Eager, cuDNN runs these
+    16-group convs as one small kernel per group (~1 ms whatever the length); inside the
+    flow's CUDA graphs that launch cost is gone, and a form that unfolds the 31-frame windows
+    into one batched GEMM per conv made graphed steps of 4 or more rows slower on the H200
+    (docs/performance.md), so it was not kept.
     """
 
-    def __init__(self, dit: DiT, form: str):
-        if form not in CONV_FORMS:
-            raise ValueError(f"unknown conv form {form!r}; choose one of {CONV_FORMS}")
+    def __init__(self, dit: DiT, channels_last: bool):
         pe = dit.input_embed.conv_pos_embed
         self.k = pe.kernel
-        self.form = form
-        self.groups = pe.conv1[0].groups
+        self.channels_last = channels_last
         self.convs = []
         for seq in (pe.conv1, pe.conv2):
             c = seq[0]
-            w, b = c.weight.detach(), c.bias.detach()
-            if form == "cudnn":
+            w = c.weight.detach()
+            if channels_last:
                 w = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-            elif form == "gemm":  # [D, C, k] -> [G, k*C, D/G], rows ordered (tap, channel) like the windows
-                g = self.groups
-                w = w.view(g, w.shape[0] // g, w.shape[1], self.k).permute(0, 3, 2, 1).reshape(g, -1, w.shape[0] // g)
-                b = b.view(g, 1, -1)
-            self.convs.append((w, b, c.groups))
+            self.convs.append((w, c.bias.detach(), c.groups))
 
-    def __call__(self, h: torch.Tensor, valid: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        if self.form == "gemm":
-            return self._gemm(h, valid, at)
+    def __call__(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
-        if self.form == "cudnn":
+        if self.channels_last:
             y = h.t()[None, :, None, :]  # [1, D, 1, L] view, channels-last strides
             for i, (w, b, groups) in enumerate(self.convs):
                 y = F.mish(F.conv2d(y, w, b, padding=(0, self.k - 1), groups=groups)[..., :n])
                 if i == 0:
                     y = y * valid
-            y = y[0, :, 0, :].t()
-        else:
-            y = h.t().unsqueeze(0)
-            for i, (w, b, groups) in enumerate(self.convs):
-                y = F.mish(F.conv1d(F.pad(y, (self.k - 1, 0)), w, b, groups=groups))
-                if i == 0:
-                    y = y * valid
-            y = y[0].t()
-        return (y + h).index_select(0, at)
-
-    def _gemm(self, h: torch.Tensor, valid: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        (w1, b1, _), (w2, b2, _) = self.convs
-        g, k = self.groups, self.k
-        n, d = h.shape
-        c = d // g
-        # [G, k-1+L, C]: groups leading, k-1 zero frames in front (the causal left padding)
-        x = h.new_zeros(g, k - 1 + n, c)
-        x[:, k - 1 :] = h.view(n, g, c).transpose(0, 1)
-        win = x.unfold(1, k, 1).transpose(-1, -2).reshape(g, n, k * c)  # frame t's window: padded t..t+k-1
-        y = F.mish(torch.baddbmm(b1, win, w1)) * valid[None, :, None]  # [G, L, C]
-        y = torch.cat((y.new_zeros(g, k - 1, c), y), dim=1)
-        idx = (at[:, None] + torch.arange(k, device=at.device)).reshape(-1)
-        win = y.index_select(1, idx).view(g, at.shape[0], k * c)
-        y = F.mish(torch.baddbmm(b2, win, w2))  # [G, T, C]
-        return y.transpose(0, 1).reshape(at.shape[0], d) + h.index_select(0, at)
+            return y[0, :, 0, :].t() + h
+        y = h.t().unsqueeze(0)
+        for i, (w, b, groups) in enumerate(self.convs):
+            y = F.mish(F.conv1d(F.pad(y, (self.k - 1, 0)), w, b, groups=groups))
+            if i == 0:
+                y = y * valid
+        return y[0].t() + h

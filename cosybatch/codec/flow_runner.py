@@ -88,7 +88,7 @@ class FlowRunner:
         graphs: bool = False,
         graph_capacity: int = 256,
         capture: Capture | None = None,
-        conv_form: str = "auto",
+        conv_channels_last: bool | None = None,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
@@ -111,13 +111,13 @@ class FlowRunner:
         self.cache = PrefixCache(self.n_steps, dit_cfg.depth, self.heads, self.inner, self.dtype, self.device,
                                  prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
-        if conv_form == "auto":
-            conv_form = "cudnn" if self.device.type == "cuda" else "ncl"
+        if conv_channels_last is None:
+            conv_channels_last = self.device.type == "cuda"
         pre, post = block_pre, block_post
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
             post = torch.compile(block_post, dynamic=True)
-        self.tables = self._tables(ConvPositionEmbed(self.dit, conv_form), pre, post)
+        self.tables = self._tables(ConvPositionEmbed(self.dit, conv_channels_last), pre, post)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
@@ -134,8 +134,8 @@ class FlowRunner:
     @classmethod
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
-                   chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, conv_form=cfg.flow_conv,
-                   graphs=cfg.flow_graphs, graph_capacity=cfg.flow_graph_capacity)
+                   chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
+                   graph_capacity=cfg.flow_graph_capacity)
 
     # ------------------------------------------------------------------ setup
 

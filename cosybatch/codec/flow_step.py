@@ -81,7 +81,7 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
         xin.index_copy_(0, b.margin_conv, torch.cat((m, m)))
     h = F.linear(torch.cat((xin, b.static), dim=1), *t.proj_in)
     h = torch.where(b.valid[:, None], h, 0.0)
-    h = t.conv(h, b.valid.to(dtype), b.conv_of_token)
+    h = t.conv(h, b.valid.to(dtype)).index_select(0, b.conv_of_token)
     mods = t.mods.index_select(0, s)[0]
     base = s * (len(t.blocks) * arena.slot) if arena is not None and b.pool is not None else None
     for layer, (wpre, wpost) in enumerate(t.blocks):

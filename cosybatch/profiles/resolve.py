@@ -91,7 +91,6 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                     "ISTFT (bit-equal to torch.istft)")
     codec = CodecConfig(
         max_num_seqs=c.max_num_seqs, flow_dtype=resolve_dtype(c.flow_dtype, device), attention=c.attention,
-        flow_conv=c.flow_conv,
         prefix_budget_bytes=int(o.prefix_budget_gb * (1 << 30)) if o.prefix_reuse else 0,
         chunk_causal_final=o.chunk_causal_final, flow_compile=o.flow_compile,
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,

@@ -47,7 +47,6 @@ class CodecProfile:
     # PyTorch enables it for cuDNN by default; cosybatch sets it explicitly either way.
     hift_tf32: bool = False
     attention: Literal["auto", "sdpa", "varlen", "flash"] = "auto"
-    flow_conv: Literal["auto", "ncl", "cudnn", "gemm"] = "auto"  # auto: cudnn on CUDA, ncl elsewhere
     # GPU milliseconds of codec work queued between two AR steps: bounds the time between a
     # row's tokens; an imminent playback deadline may overrun it (design.md D15).
     budget_ms: float = 6.0
