@@ -93,21 +93,25 @@ def kernel_profile(runner, rows, hop, top):
         sync()
     solve.step(runner.n_steps - 2)
     solve.finish()
-    rows_out = []
+    return kernel_table(prof, f"one eager Euler step, {len(rows)} rows", top, cuda)
+
+
+def kernel_table(prof, what: str, top: int, cuda: bool = True) -> dict:
+    """Print a profile's kernels (ops on the CPU) by own time, with launch counts; return them."""
+    rows = []
     for ev in prof.key_averages():
         t = (getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)) if cuda \
             else ev.self_cpu_time_total
         if t > 0 and ev.count > 0:
-            rows_out.append((t, ev.count, ev.key))
-    rows_out.sort(reverse=True)
-    total = sum(r[0] for r in rows_out)
-    launches = sum(r[1] for r in rows_out)
-    print(f"# kernel profile, one eager Euler step, {len(rows)} rows: {total / 1e3:.2f} ms of kernels, "
-          f"{launches} launches", flush=True)
-    for t, n, k in rows_out[:top]:
+            rows.append((t, ev.count, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    launches = sum(r[1] for r in rows)
+    print(f"# kernel profile, {what}: {total / 1e3:.2f} ms of kernels, {launches} launches", flush=True)
+    for t, n, k in rows[:top]:
         print(f"  {t / 1e3:7.3f} ms {100 * t / total:5.1f} % x{n:4d}  {k[:110]}", flush=True)
     return {"kernel_ms": total / 1e3, "launches": launches,
-            "top": [{"ms": t / 1e3, "count": n, "kernel": k} for t, n, k in rows_out[:top]]}
+            "top": [{"ms": t / 1e3, "count": n, "kernel": k} for t, n, k in rows[:top]]}
 
 
 def main(argv=None):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_hift import make_mels, make_model, set_tf32, stream_rounds  # noqa: E402
+from profile_flow import kernel_table  # noqa: E402
 
 from cosybatch.codec.hift_runner import HiftRunner  # noqa: E402
 
@@ -70,25 +71,13 @@ def main(argv=None):
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         runner.run(rounds[1])
         torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
-        if t > 0:
-            rows.append((t, ev.count, ev.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    print(f"# kernel profile of one call ({len(rounds[1])} jobs): {total / 1e3:.2f} ms of kernels, "
-          f"{sum(r[1] for r in rows)} launches", flush=True)
-    for t, n, k in rows[: args.top]:
-        print(f"  {t / 1e3:7.3f} ms {100 * t / total:5.1f} % x{n:4d}  {k[:110]}", flush=True)
+    kernels = kernel_table(prof, f"one call of {len(rounds[1])} jobs", args.top)
     cpu = sorted(((ev.self_cpu_time_total, ev.count, ev.key) for ev in prof.key_averages()), reverse=True)[:15]
     print("# host: top ops by self CPU time (profiler overhead included)", flush=True)
     for t, n, k in cpu:
         print(f"  {t / 1e3:7.3f} ms x{n:4d}  {k[:90]}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"calls": calls, "host_ms_p50": host, "gpu_ms_p50": gpu,
-                                               "kernel_ms": total / 1e3,
-                                               "top": [{"ms": t / 1e3, "count": n, "kernel": k} for t, n, k in rows[: args.top]]},
+        Path(args.json).write_text(json.dumps({"calls": calls, "host_ms_p50": host, "gpu_ms_p50": gpu, **kernels},
                                               indent=1))
 
 
