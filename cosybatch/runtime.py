@@ -19,6 +19,15 @@ class ProcessSettings:
     matmul_tf32: bool | None = None  # float32 matmuls on TF32 tensor cores (CUDA only)
 
 
+def triton_available() -> bool:
+    """Whether Triton imports (the CUDA kernels of the AR engine and HiFT's Snake)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def apply_process_settings(s: ProcessSettings) -> None:
     import torch
 

@@ -4,7 +4,9 @@ Streaming rounds of ``--requests`` requests (chunks of 50, 100, 200 mel frames, 
 advancing one chunk per call; TF32 on, decode graphs as the pipeline uses them): per call,
 the host milliseconds until its work is queued and the GPU milliseconds (CUDA events), then a
 kernel profile of one call by kernel, with launch counts. A call whose host time exceeds
-its GPU time leaves the GPU waiting for the host. Full-size random weights.
+its GPU time leaves the GPU waiting for the host. Each variant (the eager Snake ops, the fused
+Triton Snake + pad kernel) runs the same calls; their audio is compared bit for bit. Full-size
+random weights.
   python scripts/profile_hift.py --requests 6 --json out.json
 """
 
@@ -33,35 +35,58 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--variants", default="unfused,fused",
+                    help="comma list: unfused (eager Snake ops), fused (the Triton Snake + pad kernel)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     set_tf32(True)
     model = make_model(False, dev)
-    runner = HiftRunner(model, graphs=dict(capacity=64, capture_after=1), max_batch=64)
     mels = make_mels(args.requests, args.seconds, dev)
+    results, outputs = {}, {}
+    for variant in args.variants.split(","):
+        runner = HiftRunner(model, graphs=dict(capacity=64, capture_after=1), max_batch=64,
+                            fused_snake=variant == "fused")
+        outputs[variant], results[variant] = measure(runner, mels, args.top, variant)
+    if len(outputs) > 1:  # every call's audio, variant against variant: the fused kernel is exact
+        (a, x), (b, y) = list(outputs.items())[:2]
+        same = all(torch.equal(u, v) for u, v in zip(x, y))
+        print(f"outputs {a} vs {b}: {'bit-equal' if same else 'DIFFER'}", flush=True)
+        results["bit_equal"] = same
+    print("| variant | host ms per call (p50) | GPU ms per call (p50) | kernel ms (one call) | launches |")
+    print("|---|---|---|---|---|")
+    for v, r in results.items():
+        if isinstance(r, dict):
+            print(f"| {v} | {r['host_ms_p50']:.2f} | {r['gpu_ms_p50']:.2f} | {r['kernel_ms']:.2f} | {r['launches']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def measure(runner: HiftRunner, mels, top: int, variant: str):
+    """(the timed calls' audio, per-call figures and the kernel table) for one runner."""
     for w in range(2):  # capture on first use, replay on the second
         for jobs in stream_rounds(mels, f"warm{w}"):
             runner.run(jobs)
     torch.cuda.synchronize()
-    calls = []
+    calls, audio = [], []
     for jobs in stream_rounds(mels, "timed"):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         e0.record()
-        runner.run(jobs)
+        audio += runner.run(jobs)
         e1.record()
         host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
         calls.append({"jobs": len(jobs), "frames": sum(j.mel.shape[2] for j in jobs), "host_ms": host,
                       "gpu_ms": e0.elapsed_time(e1)})
     for c in calls:
-        print(f"call: {c['jobs']} jobs, {c['frames']:5d} new frames: host {c['host_ms']:6.2f} ms, "
+        print(f"[{variant}] call: {c['jobs']} jobs, {c['frames']:5d} new frames: host {c['host_ms']:6.2f} ms, "
               f"GPU (events, includes waits for the host) {c['gpu_ms']:6.2f} ms", flush=True)
     host = float(np.median([c["host_ms"] for c in calls]))
     gpu = float(np.median([c["gpu_ms"] for c in calls]))
-    print(f"median per call: host {host:.2f} ms, GPU {gpu:.2f} ms; graphs {runner.graphs.stats.as_dict()}", flush=True)
+    print(f"[{variant}] median per call: host {host:.2f} ms, GPU {gpu:.2f} ms; graphs {runner.graphs.stats.as_dict()}",
+          flush=True)
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,15 +96,8 @@ def main(argv=None):
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         runner.run(rounds[1])
         torch.cuda.synchronize()
-    kernels = kernel_table(prof, f"one call of {len(rounds[1])} jobs", args.top)
-    cpu = sorted(((ev.self_cpu_time_total, ev.count, ev.key) for ev in prof.key_averages()), reverse=True)[:15]
-    print("# host: top ops by self CPU time (profiler overhead included)", flush=True)
-    for t, n, k in cpu:
-        print(f"  {t / 1e3:7.3f} ms x{n:4d}  {k[:90]}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"calls": calls, "host_ms_p50": host, "gpu_ms_p50": gpu, **kernels},
-                                              indent=1))
-
+    kernels = kernel_table(prof, f"[{variant}] one call of {len(rounds[1])} jobs", top)
+    return audio, {"calls": calls, "host_ms_p50": host, "gpu_ms_p50": gpu, **kernels}
 
 if __name__ == "__main__":
     main()

@@ -199,6 +199,22 @@ def test_batched_equals_per_request(hift):
             _wave(x, y, k)
 
 
+def test_snake_pad_torch_backend_is_the_models_own_path(hift):
+    """The fused-activation hook of ``decode_spec`` (``SnakePad``) computes what the model's own
+    Snake + causal conv compute: with the torch backend the same ops, so bit for bit. The
+    Triton backend is checked against the same eager path on the GPU."""
+    from cosybatch.codec.snake import SnakePad
+
+    mel = random_mel(37, 11)
+    s_stft = hift.source_stft(hift.f0_and_source(mel)[1])
+    with torch.inference_mode():
+        want = hift.decode_spec(mel, s_stft)
+        got = hift.decode_spec(mel, s_stft, snake_pad=SnakePad(hift, "torch"))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="backend"):
+        SnakePad(hift, "cuda")
+
+
 def test_full_response_mode(hift, reference_dir):
     runner = HiftRunner(hift)
     refs = [load_ref(reference_dir, row) for row in ROWS[:3]]
@@ -297,3 +313,39 @@ def test_bounded_stream_on_cuda_equals_official(size):
         assert all(torch.equal(g, e) for g, e in zip(got, HiftRunner(model, graphs=dict(enabled=False)).run(
             [HiftJob((tag, i), m, True) for i, m in enumerate(other)])))
     assert graphed.graphs.stats.hits >= 1
+
+
+@pytest.mark.gpu
+def test_fused_snake_on_cuda_equals_eager():
+    """The Triton Snake + pad kernel against the eager ops, alone (odd lengths, every pad of the
+    resblocks, a channel count not a power of two) and inside whole batched HiFT calls (full
+    size, TF32 convs as the pipeline runs them, eager and graphed): bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from cosybatch.codec.snake import SnakePad
+
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    model = CausalHiFTGenerator(HiFTConfig())
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias.fill_(150.0)
+        for m in model.modules():  # alphas away from 1, as trained ones are
+            if hasattr(m, "alpha"):
+                m.alpha.uniform_(0.2, 3.0)
+    model = model.cuda().eval()
+    fused, eager = SnakePad(model, "triton"), SnakePad(model, "torch")
+    snake = model.resblocks[0].activations1[0]
+    for shape in ((3, 256, 1), (2, 256, 1023), (1, 256, 4099)):
+        x = 3 * torch.randn(shape, device="cuda")
+        for pad in (0, 2, 10, 30):
+            assert torch.equal(fused(x, snake, pad), eager(x, snake, pad)), (shape, pad)
+    odd = CausalHiFTGenerator(HiFTConfig(base_channels=96, f0_cond_channels=32)).cuda().eval()
+    x = torch.randn(2, 48, 777, device="cuda")
+    sn = odd.resblocks[0].activations1[0]
+    assert torch.equal(SnakePad(odd, "triton")(x, sn, 5), SnakePad(odd, "torch")(x, sn, 5))
+    mels = [(random_mel(n, n, scale=1.0) - 5).cuda() for n in (80, 130, 200)]
+    for graphs in (False, dict(capture_after=1)):
+        on, off = HiftRunner(model, graphs=graphs, fused_snake=True), HiftRunner(model, graphs=graphs)
+        for step in range(2):
+            jobs = [HiftJob((step, i), m, True) for i, m in enumerate(mels)]
+            assert all(torch.equal(a, b) for a, b in zip(on.run(jobs), off.run(jobs))), (graphs, step)

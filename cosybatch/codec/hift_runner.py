@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from cosybatch.graph_cache import GraphCache
 from cosybatch.codec.istft import CachedISTFT
+from cosybatch.codec.snake import SnakePad
 from cosybatch.hostcopy import h2d
 from cosybatch.models import noise as noise_tables
 from cosybatch.models.hift import CausalHiFTGenerator
@@ -139,7 +140,7 @@ class HiftRunner:
     def __init__(self, hift: CausalHiFTGenerator, *, graphs: bool | dict = False,
                  max_batch: int = 64, max_batch_frames: int = 8192,
                  frame_bucket: int | None = None, bounded: bool = True,
-                 context_frames: int | None = None) -> None:
+                 context_frames: int | None = None, fused_snake: bool = False) -> None:
         self.hift = hift
         self.cfg = hift.cfg
         self.spf = hift.samples_per_frame
@@ -160,6 +161,8 @@ class HiftRunner:
             opts = dict(graphs) if isinstance(graphs, dict) else {}
             opts.setdefault("name", "hift")
             self.graphs = GraphCache(self.vocode, **opts)
+        # Snake + causal pad in one Triton kernel (cosybatch.codec.snake); None: the eager ops
+        self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
         self._states: dict[Hashable, _State] = {}
         self._table: torch.Tensor | None = None
         self._rand_ini: torch.Tensor | None = None
@@ -353,7 +356,7 @@ class HiftRunner:
         by ``frame_mask``/``envelope``. Decodes as ``finalize=True``; a streaming row's
         look-ahead is handled by the caller keeping only samples that do not depend on it.
         """
-        spec = self.hift.decode_spec(mel, s_stft, finalize=True)
+        spec = self.hift.decode_spec(mel, s_stft, finalize=True, snake_pad=self.snake_pad)
         nb = self.cfg.n_fft // 2 + 1
         magnitude = torch.exp(spec[:, :nb, :]).clip(max=1e2)
         phase = torch.sin(spec[:, nb:, :])

@@ -22,16 +22,10 @@ from cosybatch.engine.request import Sequence
 from cosybatch.engine.sampler import SamplerState, padded_vocab
 from cosybatch.hostcopy import copy_in, h2d
 from cosybatch.models.speech_lm import CosyVoice3LM
+from cosybatch.runtime import triton_available
 
 log = logging.getLogger(__name__)
 
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 class DecodeRows:

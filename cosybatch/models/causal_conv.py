@@ -52,6 +52,10 @@ class CausalConv1d(nn.Conv1d):
             x = torch.cat(parts, dim=2)
         return super().forward(x)
 
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolution of an input that already carries its causal padding."""
+        return super().forward(x)
+
 
 class CausalConv1dUpsample(nn.Conv1d):
     """Nearest-neighbour upsampling by ``stride`` followed by a left-causal convolution.

@@ -95,9 +95,16 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, snake_pad=None) -> torch.Tensor:
+        """``snake_pad(x, snake, pad)``, when given, returns ``F.pad(snake(x), (pad, 0))`` in one
+        pass (a fused kernel): each Snake here feeds a left-causal conv, so its output can be
+        written straight into the conv's padded input."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = c2(a2(c1(a1(x)))) + x
+            if snake_pad is None:
+                x = c2(a2(c1(a1(x)))) + x
+            else:
+                y = c1.forward_padded(snake_pad(x, a1, c1.causal_padding))
+                x = c2.forward_padded(snake_pad(y, a2, c2.causal_padding)) + x
         return x
 
 
@@ -194,11 +201,13 @@ class CausalHiFTGenerator(nn.Module):
         return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
 
     # ------------------------------------------------------------------ decode side
-    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor, finalize: bool = True,
+                    snake_pad=None) -> torch.Tensor:
         """mel [B, in, T] + source STFT -> conv_post output [B, n_fft+2, F].
 
         With ``finalize`` False the last ``conv_pre_look_right`` mel frames only serve as
-        conv_pre's right context and the matching source frames are dropped.
+        conv_pre's right context and the matching source frames are dropped. ``snake_pad``:
+        see ``ResBlock.forward``.
         """
         r = self.cfg.conv_pre_look_right
         if finalize or r == 0:
@@ -211,10 +220,10 @@ class CausalHiFTGenerator(nn.Module):
             x = self.ups[i](x)
             if i == self.num_upsamples - 1:
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            xs = self.resblocks[i * self.num_kernels](x)
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft), snake_pad)
+            xs = self.resblocks[i * self.num_kernels](x, snake_pad)
             for j in range(1, self.num_kernels):
-                xs = xs + self.resblocks[i * self.num_kernels + j](x)
+                xs = xs + self.resblocks[i * self.num_kernels + j](x, snake_pad)
             x = xs / self.num_kernels
         x = F.leaky_relu(x)  # default slope 0.01, not lrelu_slope (official)
         return self.conv_post(x)

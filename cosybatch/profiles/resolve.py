@@ -16,7 +16,7 @@ from cosybatch.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
 from cosybatch.profiles.schema import HopsProfile, Profile, ProfileError, SamplingProfile
-from cosybatch.runtime import ProcessSettings
+from cosybatch.runtime import ProcessSettings, triton_available
 
 log = logging.getLogger("cosybatch.profiles")
 
@@ -96,7 +96,8 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
-        hift_graph_precapture=o.hift_graph_precapture if cuda else ())
+        hift_graph_precapture=o.hift_graph_precapture if cuda else (),
+        hift_fused_snake=o.hift_fused_snake and cuda and triton_available())
     # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
