@@ -250,23 +250,26 @@ class Frontend:
     # ---- audio: device part -------------------------------------------------------------
     def features(self, prompts: Sequence[LoadedPrompt]) -> list[PromptFeatures]:
         """Features of loaded prompts, in order; the uncached ones computed as one batch."""
-        out: list[PromptFeatures | None] = [None] * len(prompts)
+        return self.launch_features(prompts).result()
+
+    def launch_features(self, prompts: Sequence[LoadedPrompt]) -> "PendingFeatures":
+        """``features`` in two halves: the uncached prompts' device work is queued now (computed
+        now by a frontend without a device), ``result()`` of the returned object reads it back,
+        ``ready()`` says, without waiting, whether that read would wait."""
+        known: dict[int, PromptFeatures] = {}
         todo: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
-            known = p.cached if p.cached is not None else self._cache.peek(p.key)
-            if known is not None:
-                out[i] = known.clone()
+            hit = p.cached if p.cached is not None else self._cache.peek(p.key)
+            if hit is not None:
+                known[i] = hit.clone()
             else:
                 todo.setdefault(p.key, []).append(i)
-        if todo:
-            first = [prompts[idx[0]] for idx in todo.values()]
-            raws = self._compute(first)
-            for p, raw, idx in zip(first, raws, todo.values()):
-                feats = self._align_raw(raw, p.source)
-                self._cache.put(p.key, feats)
-                for i in idx:
-                    out[i] = feats.clone()
-        return out  # type: ignore[return-value]
+        first = [prompts[idx[0]] for idx in todo.values()]
+        raws = None
+        if first:
+            launch = getattr(self._impl, "launch", None)
+            raws = launch(*self._inputs(first)) if launch is not None else _Done(self._compute(first))
+        return PendingFeatures(self, len(prompts), known, first, list(todo.values()), raws)
 
     def raw_features(self, prompts: Sequence[LoadedPrompt]) -> list[RawFeatures]:
         """Uncached features before the token/mel cut (all codes), for checks and benchmarks."""
@@ -275,10 +278,14 @@ class Frontend:
         return self._compute(prompts)
 
     def _compute(self, prompts: Sequence[LoadedPrompt]) -> list[RawFeatures]:
+        return self._impl.compute(*self._inputs(prompts))
+
+    @staticmethod
+    def _inputs(prompts: Sequence[LoadedPrompt]) -> tuple:
         fbank = [p.fbank for p in prompts]
         if any(f is None for f in fbank):
             fbank = None  # computed by the device part
-        return self._impl.compute([p.wav16 for p in prompts], [p.wav_mel for p in prompts], fbank)
+        return [p.wav16 for p in prompts], [p.wav_mel for p in prompts], fbank
 
     def prompt(self, wav_path: str | Path) -> PromptFeatures:
         """``features([load(wav_path)])[0]``: one prompt, cached."""
@@ -330,6 +337,42 @@ class Frontend:
         """Write the pending disk-cache entries and stop the writer (call at the end of a run;
         the in-memory cache stays usable)."""
         self._cache.close()
+
+
+class _Done:
+    """Results already computed (a frontend without a device)."""
+
+    def __init__(self, raws: list[RawFeatures]):
+        self._raws = raws
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> list[RawFeatures]:
+        return self._raws
+
+
+class PendingFeatures:
+    """What ``Frontend.launch_features`` returns: the features of its prompts, in order, once
+    ``result()`` is called (which caches the newly computed ones)."""
+
+    def __init__(self, frontend: Frontend, n: int, known: dict, first: list, where: list, raws):
+        self._fe, self._n, self._known, self._first, self._where, self._raws = frontend, n, known, first, where, raws
+
+    def ready(self) -> bool:
+        return self._raws is None or self._raws.ready()
+
+    def result(self) -> list[PromptFeatures]:
+        out: list[PromptFeatures | None] = [None] * self._n
+        for i, f in self._known.items():
+            out[i] = f
+        if self._raws is not None:
+            for p, raw, idx in zip(self._first, self._raws.result(), self._where):
+                feats = self._fe._align_raw(raw, p.source)
+                self._fe._cache.put(p.key, feats)
+                for i in idx:
+                    out[i] = feats.clone()
+        return out  # type: ignore[return-value]
 
 
 __all__ = ["Frontend", "LoadedPrompt", "PromptFeatures", "TextInputs", "AudioError", "BACKENDS"]

@@ -98,6 +98,8 @@ class FastPipeline:
         self._pool = ThreadPoolExecutor(settings.frontend_workers, thread_name_prefix="cosybatch-frontend")
         self._wake = threading.Condition()
         self._preparing: dict[str, tuple[SynthRequest, Future]] = {}
+        # GPU frontend batches on their way back: (their rows, PendingFeatures), oldest first
+        self._featuring: deque = deque()
         self._rows: dict[str, _Row] = {}
         self._events: list[Event] = []
         self._frontend_s = 0.0
@@ -132,7 +134,7 @@ class FastPipeline:
         self._preparing[req.request_id] = (req, fut)
 
     def has_work(self) -> bool:
-        return bool(self._preparing or self._rows or self._events or self.codec.has_work())
+        return bool(self._preparing or self._featuring or self._rows or self._events or self.codec.has_work())
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage held the GPU (AR, flow, HiFT), and the frontend workers' busy time."""
@@ -255,7 +257,10 @@ class FastPipeline:
                 self._frontend_s += time.perf_counter() - t0
         return loaded, text
 
-    def _admit(self) -> bool:
+    def _admit(self, wait: bool = False) -> bool:
+        """Rows whose prompt work is done start their first segment. A GPU frontend's batch is
+        launched here and read back at a later iteration, once its copies have landed (or now,
+        with ``wait``), so its read never drains the queue."""
         done = [rid for rid, (_, f) in self._preparing.items() if f.done()]
         ready = []
         for rid in done:
@@ -264,8 +269,13 @@ class FastPipeline:
                 ready.append((req, *fut.result()))
             except Exception as e:  # a bad row must not take the others down
                 self._error(rid, e)
-        if self._device_frontend and ready:
-            ready = self._prompt_features(ready)
+        if self._device_frontend:
+            if ready:
+                self._launch_features(ready)
+            ready = []
+            while self._featuring and (wait or self._featuring[0][1] is None or self._featuring[0][1].ready()):
+                ready += self._read_features(*self._featuring.popleft())
+                wait = False
         for req, feats, text in ready:
             rid = req.request_id
             # The copy the codec reads: mel and embedding on the device, tokens on the host (they index).
@@ -275,17 +285,28 @@ class FastPipeline:
             row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
             self._rows[rid] = row
             self._start_segment(row)
-        return bool(done)
+        return bool(done) or bool(ready)
 
-    def _prompt_features(self, ready: list) -> list:
-        """The GPU frontend's models for every newly loaded prompt, as one batched slice. Its
-        results come back to the host (a sync behind the work queued so far): rows need their
-        speech tokens on the host. A batch that fails is retried prompt by prompt."""
+    def _launch_features(self, ready: list) -> None:
+        """The GPU frontend's models for every newly loaded prompt, as one batched slice (rows
+        need their speech tokens on the host, so its results are copied back)."""
         t = self.acct.start("frontend")
         try:
-            with self.acct.waiting():  # the results' read back to the host dominates on the host side
-                feats = self.frontend.features([loaded for _, loaded, _ in ready])
-            out = [(req, f, text) for (req, _, text), f in zip(ready, feats)]
+            pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
+        except Exception:
+            pending = None  # read_features retries prompt by prompt
+        self.acct.end(t)
+        self._featuring.append((ready, pending))
+
+    def _read_features(self, ready: list, pending) -> list:
+        """(request, features, text) of a launched batch; a batch that failed is retried prompt
+        by prompt, and only a prompt that fails alone fails its row."""
+        try:
+            if pending is None:
+                raise RuntimeError("launch failed")
+            with self.acct.waiting():
+                feats = pending.result()
+            return [(req, f, text) for (req, _, text), f in zip(ready, feats)]
         except Exception:
             out = []
             for req, loaded, text in ready:
@@ -293,8 +314,7 @@ class FastPipeline:
                     out.append((req, self.frontend.features([loaded])[0], text))
                 except Exception as e:
                     self._error(req.request_id, e)
-        self.acct.end(t)
-        return out
+            return out
 
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling
@@ -448,7 +468,11 @@ class FastPipeline:
         self._events.append(Event(request_id, "error", error=f"{type(e).__name__}: {e}"))
 
     def _idle(self) -> None:
-        """Nothing was queued: wait for the GPU's oldest chunk, or briefly for the frontend."""
+        """Nothing was queued: wait for the GPU's oldest chunk or frontend batch, or briefly for
+        the frontend's workers."""
+        if self._featuring:
+            self._admit(wait=True)
+            return
         if self.codec.outbox:
             with self.acct.waiting():
                 self._take_audio(wait=True)

@@ -119,19 +119,21 @@ def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, t
     seen = []
     real = ray_cli.RayRun._result
 
-    def ctrl_c_after_two(self, res, bar):  # the driver gets Ctrl-C after two rows came back
+    def ctrl_c_after_one(self, res, bar):  # the driver gets Ctrl-C once a row came back
         real(self, res, bar)
         seen.append(res["utt_id"])
-        if len(seen) == 2:
+        if len(seen) == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(ray_cli.RayRun, "_result", ctrl_c_after_two)
+    monkeypatch.setattr(ray_cli.RayRun, "_result", ctrl_c_after_one)
     args = ["synth", man, "--out", out, *FAKE, "--device", "cpu", "--wav-subtype", "FLOAT", "-q", "--ray",
             "--set", f"calls={calls}"]
-    res = invoke(*args, "--set", "sleep=0.3")
+    # rows slow enough that the interrupt always lands with rows left (on a loaded machine the
+    # driver may see many results at once)
+    res = invoke(*args, "--set", "sleep=0.5")
     assert res.exit_code == 130, res.stderr
     done_before = set(ok_counts(out))
-    assert 2 <= len(done_before) < 10
+    assert 1 <= len(done_before) < 10
     time.sleep(1.0)
     assert set(ok_counts(out)) == done_before  # the interrupted run's actors were stopped, not left writing
     end = [r for r in records(out) if r.get("event") == "run_end"]

@@ -140,8 +140,10 @@ def test_auto_dtype_is_bfloat16_on_cuda_float32_on_cpu():
 
 
 def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(parts, fixtures_dir):
-    """With a GPU frontend the workers only load audio and the scheduler runs the frontend's
-    models for all newly loaded prompts at once; the rows' audio is what the worker path gives."""
+    """With a GPU frontend the workers only load audio and the scheduler launches the frontend's
+    models for all newly loaded prompts at once, then reads the batch back at a later iteration,
+    once it is ready (polled, never waited for while other work can go on); the rows' audio is
+    what the worker path gives."""
     from cosybatch.profiles import load_profile
     from cosybatch.serving import FastPipeline
 
@@ -152,13 +154,56 @@ def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(par
     a, _ = _drain(FastPipeline.from_profile(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
     batched = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
     batched._device_frontend = True  # what a torch frontend on CUDA selects
-    calls = []
-    real = frontend.features
-    frontend.features = lambda prompts: calls.append(len(prompts)) or real(prompts)
+    calls, polls = [], []
+    real = frontend.launch_features
+
+    class Late:  # a batch whose copies land only at the third poll (or when the loop is idle)
+        def __init__(self, pending):
+            self.pending = pending
+
+        def ready(self):
+            polls.append(1)
+            return len(polls) >= 3
+
+        def result(self):
+            return self.pending.result()
+
+    frontend.launch_features = lambda prompts: calls.append(len(prompts)) or Late(real(prompts))
     try:
         b, ends = _drain(batched, reqs, force_tokens=30, together=True)
     finally:
-        frontend.features = real
+        frontend.launch_features = real
     assert calls == [3] and all(e.kind == "done" for e in ends.values())  # one batch of all three
+    assert polls  # polled, not read at once
     for r in rows:
         assert_wave_close(np.concatenate(b[r.utt_id]), np.concatenate(a[r.utt_id]), r.utt_id)
+
+
+def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir):
+    """A batch whose launch fails (out of memory for the batch) is redone one prompt at a time:
+    only the prompt that fails alone fails its row, the others finish."""
+    from cosybatch.profiles import load_profile
+    from cosybatch.serving import FastPipeline
+
+    models, frontend = parts
+    rows = _rows(fixtures_dir)[:3]
+    bad = rows[1].prompt_wav
+    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    pipe._device_frontend = True
+    real_launch = frontend.launch_features
+
+    def launch(prompts):  # a batch runs out of memory; a bad prompt fails alone too
+        if len(prompts) > 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        if prompts[0].source == str(bad):
+            raise RuntimeError("bad prompt (injected)")
+        return real_launch(prompts)
+
+    frontend.launch_features = launch  # features() launches through it too
+    try:
+        _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows], force_tokens=30, together=True)
+    finally:
+        frontend.launch_features = real_launch
+    kinds = {k: e.kind for k, e in ends.items()}
+    assert kinds == {rows[0].utt_id: "done", rows[1].utt_id: "error", rows[2].utt_id: "done"}, kinds
+    assert "bad prompt" in ends[rows[1].utt_id].error

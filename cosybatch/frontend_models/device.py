@@ -9,8 +9,10 @@ Latency: a chunk's padded length is rounded up to a multiple of ``bucket_s`` (th
 padding exactly, so this changes no result). Prompt lengths then repeat, and so do the tensor
 shapes cuDNN/cuFFT plan for: with ``warmup`` run over every bucket once, a later prompt of any
 length meets already-planned shapes. Every length is known on the host before a chunk starts
-and host<->device copies go through reused pinned buffers, so the only wait on the device is
-the final copy. On CUDA, chunks of at most ``graph_rows`` prompts (the latency case: prompts
+and host<->device copies go through pinned buffers, so nothing waits on the device until the
+results are read: ``launch`` queues the work and the copies back and returns at once (the
+pipeline reads them an iteration later, so its frontend slices never drain the GPU's queue),
+``compute`` waits for them. On CUDA, chunks of at most ``graph_rows`` prompts (the latency case: prompts
 trickling in one by one) replay a CUDA graph per shape instead of launching ~1,100 kernels:
 the graph runs the masked (padded) path of every model, which the batched path already runs
 for every row shorter than its chunk's longest, and returns codes, embedding and mel packed in
@@ -55,23 +57,24 @@ class RawFeatures:
     mel: torch.Tensor  # float32 [1, F, num_mels]
 
 
-class _Staging:
-    """Grow-only pinned host buffers, one per transfer slot (each chunk ends with a
-    synchronisation, so no copy of the previous chunk still reads or writes them)."""
+class Pending:
+    """Features whose device work is queued: ``ready()`` polls (never waits), ``result()``
+    waits for the copies back and returns the features in input order."""
 
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
-        self._buf: dict[str, torch.Tensor] = {}
+    def __init__(self, n: int, chunks: list, done):
+        self._n, self._chunks, self._done = n, chunks, done
 
-    def take(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        if not self.pinned:
-            return None
-        buf = self._buf.get(slot)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            grow = 0 if buf is None or buf.dtype != dtype else buf.numel() + buf.numel() // 4
-            buf = torch.empty(max(numel, grow), dtype=dtype, pin_memory=True)
-            self._buf[slot] = buf
-        return buf[:numel]
+    def ready(self) -> bool:
+        return self._done is None or self._done.query()
+
+    def result(self) -> list[RawFeatures]:
+        if self._done is not None:
+            self._done.synchronize()
+        out: list[RawFeatures | None] = [None] * self._n
+        for rows, flat, finish in self._chunks:
+            for i, r in zip(rows, finish(flat)):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
 
 class DeviceFrontend:
@@ -86,7 +89,7 @@ class DeviceFrontend:
         self.max_batch = max(1, int(max_batch))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.bucket_s = float(bucket_s)
-        self._staging = _Staging(self.device.type == "cuda")
+        self._pinned = self.device.type == "cuda"
         self._lock = threading.Lock()
         self.graph_rows = graph_rows if self.device.type == "cuda" else 0
         self.graphs = GraphCache(lambda *t: self._features(*t, True, True), capacity=graph_capacity,
@@ -134,24 +137,38 @@ class DeviceFrontend:
                 fbank: list[torch.Tensor] | None = None) -> list[RawFeatures]:
         """wav16: [1, n] float32 16 kHz rows; wav_mel: the same prompts at the mel's rate;
         fbank: their mean-normalized Kaldi fbanks [T, 80] (None: computed here)."""
+        return self.launch(wav16, wav_mel, fbank).result()
+
+    def launch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor],
+               fbank: list[torch.Tensor] | None = None) -> Pending:
+        """``compute`` without the wait: every chunk's work and its copy back are queued on the
+        current stream, behind what is queued already; the caller reads the results later."""
         n16 = [int(w.shape[-1]) for w in wav16]
         order = sorted(range(len(wav16)), key=lambda i: n16[i])
-        out: list[RawFeatures | None] = [None] * len(wav16)
+        chunks = []
         with self._lock, torch.inference_mode():
             for chunk in self._chunks(order, n16):
                 fb = None if fbank is None else [fbank[i] for i in chunk]
-                for i, r in zip(chunk, self._batch([wav16[i] for i in chunk], [wav_mel[i] for i in chunk], fb)):
-                    out[i] = r
-        return out  # type: ignore[return-value]
+                chunks.append((chunk, *self._batch([wav16[i] for i in chunk], [wav_mel[i] for i in chunk], fb)))
+            done = None
+            if self.device.type == "cuda" and chunks:
+                done = torch.cuda.Event()
+                done.record()
+        return Pending(len(wav16), chunks, done)
 
     # ---- transfers ----------------------------------------------------------------------
+    def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A pinned host buffer for one transfer (CUDA), else None. Fresh from PyTorch's caching
+        host allocator each time: it hands a block out again only once the copies that used
+        it have run, so queued transfers never share a buffer."""
+        return torch.empty(numel, dtype=dtype, pin_memory=True) if self._pinned else None
+
     def _upload(self, x: torch.Tensor, lengths: torch.Tensor):
         return x.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
 
-    def _rows(self, rows: list[torch.Tensor], size: int, slot: str):
+    def _rows(self, rows: list[torch.Tensor], size: int):
         """-> (padded rows on the device, lengths on the device, lengths on the host)."""
-        staged = self._staging.take(slot, len(rows) * max(size, max(r.shape[-1] for r in rows)), torch.float32)
-        x, lengths = pad_rows(rows, size, staged)
+        x, lengths = pad_rows(rows, size, self._host(len(rows) * max(size, max(r.shape[-1] for r in rows)), torch.float32))
         return (*self._upload(x, lengths), lengths)
 
     def _fbank(self, x16, l16, n16, rows: list[torch.Tensor] | None, frames: int):
@@ -160,21 +177,16 @@ class DeviceFrontend:
             fbank, dev_frames = kaldi_fbank_batch(x16.double(), l16, self.fbank_bins)
             return fbank, dev_frames, 1 + (n16 - KALDI_FRAME) // KALDI_SHIFT
         size = max(frames, max(r.shape[0] for r in rows))
-        staged = self._staging.take("fbank", len(rows) * size * rows[0].shape[1], torch.float32)
-        fb, n = pad_frames(rows, frames, staged)
+        fb, n = pad_frames(rows, frames, self._host(len(rows) * size * rows[0].shape[1], torch.float32))
         return (*self._upload(fb, n), n)
 
-    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Queue ``t``'s copy to the host (read it after the launch's event)."""
         if self.device.type != "cuda":
-            return list(tensors)
-        out = []
-        for k, t in enumerate(tensors):
-            staged = self._staging.take(f"out{k}", t.numel(), t.dtype)
-            host = staged.view(t.shape) if staged is not None else torch.empty(t.shape, dtype=t.dtype)
-            host.copy_(t, non_blocking=staged is not None)
-            out.append(host)
-        torch.cuda.current_stream(self.device).synchronize()
-        return out
+            return t
+        host = self._host(t.numel(), t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        return host
 
     # ---- one chunk ------------------------------------------------------------------------
     def _features(self, x16, l16, fbank, fb_dev, xm, lm, pad_tok: bool, pad_fb: bool) -> torch.Tensor:
@@ -195,7 +207,9 @@ class DeviceFrontend:
         codes, emb, mel = flat[5:].split([b * t, b * e, b * f * m])
         return codes.view(b, t).long(), emb.view(b, e), mel.view(b, f, m)
 
-    def _batch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor], fbank_rows=None) -> list[RawFeatures]:
+    def _batch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor], fbank_rows=None):
+        """Queue one chunk -> (its packed result on its way to the host, the function that
+        unpacks it into the chunk's RawFeatures once it is there)."""
         n = len(wav16)
         graphed = n <= self.graph_rows
         if graphed:  # 1, 2 or 4 rows: the batched models treat rows independently
@@ -203,32 +217,33 @@ class DeviceFrontend:
             wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
             fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
         size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)
-        x16, l16, n16 = self._rows(wav16, size16, "wav16")
+        x16, l16, n16 = self._rows(wav16, size16)
         frames = n16 // WHISPER_HOP
         fb_size = 1 + (x16.shape[1] - KALDI_FRAME) // KALDI_SHIFT
         fbank, fb_dev, fb_frames = self._fbank(x16, l16, n16, fbank_rows, fb_size)
         cfg = self.mel_cfg
-        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate), "wav_mel")
+        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate))
         inputs = (x16, l16, fbank, fb_dev, xm, lm)
         if graphed:
             flat = self.graphs(*inputs)
         else:
             flat = self._features(*inputs, bool((frames < x16.shape[1] // WHISPER_HOP).any()),
                                   bool((fb_frames < fbank.shape[1]).any()))
-        codes, emb, mel = self._unpack(self._to_host(flat)[0])
         mel_frames = 1 + (nm + 2 * int((cfg.n_fft - cfg.hop_size) / 2) - cfg.n_fft) // cfg.hop_size
         code_len = token_lengths(frames)
-        return [
-            RawFeatures(codes[i, : int(code_len[i])].clone(), emb[i : i + 1].clone(),
-                        mel[i : i + 1, : int(mel_frames[i])].clone())
-            for i in range(n)
-        ]
+
+        def finish(host: torch.Tensor) -> list[RawFeatures]:
+            codes, emb, mel = self._unpack(host)
+            return [RawFeatures(codes[i, : int(code_len[i])].clone(), emb[i : i + 1].clone(),
+                                mel[i : i + 1, : int(mel_frames[i])].clone()) for i in range(n)]
+
+        return self._to_host(flat), finish
 
     # ---- single-purpose helpers ---------------------------------------------------------------
     def speech_tokens(self, wav16: torch.Tensor) -> torch.Tensor:
         """Raw codes of one [1, n] 16 kHz prompt (no mel, no cut)."""
         with self._lock, torch.inference_mode():
-            x, n, _ = self._rows([wav16], 0, "wav16")
+            x, n, _ = self._rows([wav16], 0)
             feats, frames = whisper_log_mel_batch(x, n, self.n_mels)
             codes, code_len = self.tokenizer(feats, frames, padded=False)
             return codes[0, : int(code_len[0])].cpu()
