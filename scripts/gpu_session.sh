@@ -3,6 +3,7 @@
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
 # steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm c64 c64seed full synth devices quick
+#        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -74,6 +75,7 @@ for step in "$@"; do
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
+    c32set=*) setup; kv=${step#c32set=}; prof "c32-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --set "$kv" ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
     base) setup; log "baseline ad1324d: seed profile C32"
       rm -rf /tmp/base && mkdir -p /tmp/base && git archive ad1324d | tar -x -C /tmp/base || exit 1
