@@ -7,6 +7,8 @@ Used in-process (``FakeSynth(...)``) and through the CLI's hidden option
   inf=c        rows whose audio contains an infinity
   empty=d      rows whose audio is empty
   sleep=0.2    seconds each row takes
+  slow=3       seconds each row takes after this process's first two (the rest of a run is
+               still going when its first rows are back)
   freq=220     base tone (part of the fingerprint: changing it is a settings change)
   calls=PATH   append each synthesized utt_id to PATH (to see what was redone)
   closed=PATH  close() appends "closed" to PATH (to see that every way out closes it)
@@ -46,6 +48,7 @@ class FakeSynth:
     inf: set = field(default_factory=set)
     empty: set = field(default_factory=set)
     sleep: float = 0.0
+    slow: float | None = None
     freq: float = 220.0
     sample_rate: int = 24000
     calls_file: str | None = None
@@ -78,8 +81,9 @@ class FakeSynth:
         if self.calls_file:
             with open(self.calls_file, "a") as f:
                 f.write(row.utt_id + "\n")
-        if self.sleep:
-            time.sleep(self.sleep)
+        pause = self.slow if self.slow is not None and len(self.calls) > 2 else self.sleep
+        if pause:
+            time.sleep(pause)
         if row.utt_id in self.fail:
             raise RuntimeError(f"synthetic failure for {row.utt_id}")
         audio = expected_audio(row.utt_id, row.target_text, self.freq, self.sample_rate)
@@ -127,7 +131,7 @@ def build(model: str, device: str, profile: str | None, overrides: list[str], st
         key, _, value = item.partition("=")
         if key in ("fail", "nan", "inf", "empty"):
             kw[key] = set(filter(None, value.split(",")))
-        elif key in ("sleep", "freq"):
+        elif key in ("sleep", "freq", "slow"):
             kw[key] = float(value)
         elif key in ("calls", "closed"):
             kw[f"{key}_file"] = value

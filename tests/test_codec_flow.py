@@ -137,10 +137,10 @@ class _LoopVarlen(_VarlenBase):
 
     name = "loopvarlen"
 
-    def run(self, q, k, v, meta, key_base):
+    def run(self, q, k, v, meta, keys=None):
         out = torch.zeros_like(q)
         t = meta.tensors
-        cq, k0, used = t["cu_q"].tolist(), (t["k_start"] + key_base).tolist(), t["k_used"].tolist()
+        cq, k0, used = t["cu_q"].tolist(), self._starts(meta, keys).tolist(), t["k_used"].tolist()
         for b in range(len(used)):
             if cq[b + 1] > cq[b] and used[b]:
                 ks, vs = k[k0[b] : k0[b] + used[b]], v[k0[b] : k0[b] + used[b]]
@@ -278,12 +278,16 @@ def test_sdpa_backend_matches_dense_attention_with_overlapping_keys():
     q, k, v = (torch.randn(20, 2, 8) for _ in range(3))
     backend = SdpaBackend()
     for meta in (backend.prepare(seqs, 20, "cpu"), backend.prepare(seqs, 20, "cpu", n_seqs=6, max_q=8, max_k=16)):
-        got = backend.run(q, k, v, meta, torch.tensor(0))
+        got = backend.run(q, k, v, meta)
         for (a, n), (ko, kl) in zip([(0, 4), (4, 5), (9, 3)], [(0, 4), (7, 5), (7, 9)]):
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[a : a + n].transpose(0, 1), k[ko : ko + kl].transpose(0, 1), v[ko : ko + kl].transpose(0, 1))
             torch.testing.assert_close(got[a : a + n], want.transpose(0, 1), rtol=0, atol=1e-6)
         assert (got[12:] == 0).all()  # tokens of no sub-sequence get zeros
+        # the same keys 5 frames further into a bigger tensor, found through a layer's offset
+        shift = lambda t: torch.cat((torch.randn(5, *t.shape[1:]), t))  # noqa: E731
+        keys = backend.layer_keys(meta, torch.tensor([7, 5]))
+        assert torch.equal(backend.run(q, shift(k), shift(v), meta, keys[1]), got)
 
 
 def test_conv_layouts_agree_and_keep_rows_apart(flow):

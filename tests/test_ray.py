@@ -128,9 +128,9 @@ def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, t
     monkeypatch.setattr(ray_cli.RayRun, "_result", ctrl_c_after_one)
     args = ["synth", man, "--out", out, *FAKE, "--device", "cpu", "--wav-subtype", "FLOAT", "-q", "--ray",
             "--set", f"calls={calls}"]
-    # rows slow enough that the interrupt always lands with rows left (on a loaded machine the
-    # driver may see many results at once)
-    res = invoke(*args, "--set", "sleep=0.5")
+    # every actor's rows after its first two are slow: the interrupt always lands with rows left,
+    # however late a loaded machine's driver sees the first results
+    res = invoke(*args, "--set", "sleep=0.1", "--set", "slow=4")
     assert res.exit_code == 130, res.stderr
     done_before = set(ok_counts(out))
     assert 1 <= len(done_before) < 10

@@ -3,10 +3,12 @@
 The packer (``packing.py``) describes a launch as sub-sequences: query tokens
 ``q[q0:q0+ql]`` see keys ``k[k0:k0+kl]`` of one key tensor, where key ranges of different
 sub-sequences may overlap (every chunk of a chunk-causal row sees its row's prefix). No kernel
-needs an intra-sequence mask. Metadata is prepared once per call (``prepare``); ``run`` takes
-a device scalar ``key_base`` added to every key start, which is how one captured Euler step
-serves every (step, layer) slot of the prefix-cache arena (design.md D16). Tokens outside the
-launch's sub-sequences get zeros.
+needs an intra-sequence mask. Metadata is prepared once per call (``prepare``). Key starts can
+move by a device offset per layer, which is how one captured Euler step serves every (step,
+layer) slot of the prefix-cache arena (design.md D16): ``layer_keys(meta, bases)`` turns the
+step's offsets (one per layer) into what ``run`` takes for each layer, in a few kernels per
+step rather than per layer; ``run(..., keys=None)`` reads keys at their own starts. Tokens
+outside the launch's sub-sequences get zeros.
 
 Backends:
 - ``sdpa``: gathers each sub-sequence into a padded batch with a key-padding mask and calls
@@ -70,10 +72,14 @@ class SdpaBackend:
              "mask": h2d(torch.from_numpy(k_valid), device=device)[:, None, None, :]}
         return LaunchMeta(t, mq, mk, s)
 
-    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+    def layer_keys(self, meta: LaunchMeta, bases: torch.Tensor) -> torch.Tensor:
+        """Per layer, the offset added to every key index (row ``layer`` of the result)."""
+        return bases
+
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
         t = meta.tensors
         s, mq = t["q_idx"].shape
-        idx = (t["k_rel"] + key_base).flatten()
+        idx = (t["k_rel"] if keys is None else t["k_rel"] + keys).flatten()
         kp = k.index_select(0, idx).unflatten(0, (s, -1))  # [S, K, H, Dh]
         vp = v.index_select(0, idx).unflatten(0, (s, -1))
         qx = torch.cat((q, q.new_zeros((1,) + q.shape[1:])))  # row n_tokens: the scratch row
@@ -98,6 +104,13 @@ class _VarlenBase:
         mk = max(1, seqs.max_k) if max_k is None else max_k
         return LaunchMeta(t, mq, mk, n)
 
+    def layer_keys(self, meta: LaunchMeta, bases: torch.Tensor) -> torch.Tensor:
+        """[layers, seqs] int32 key starts: the launch's own plus each layer's offset."""
+        return meta.tensors["k_start"][None, :] + bases.to(torch.int32)[:, None]
+
+    def _starts(self, meta: LaunchMeta, keys: torch.Tensor | None) -> torch.Tensor:
+        return meta.tensors["k_start"] if keys is None else keys
+
 
 class TorchVarlenBackend(_VarlenBase):
     """torch's FlashAttention-2 varlen kernel through the aten op (its public wrapper lacks the
@@ -105,9 +118,9 @@ class TorchVarlenBackend(_VarlenBase):
 
     name = "varlen"
 
-    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
         t = meta.tensors
-        starts = t["k_start"] + key_base.to(torch.int32)
+        starts = self._starts(meta, keys)
         return torch.ops.aten._flash_attention_forward(q, k, v, t["cu_q"], starts, meta.max_q, meta.max_k, 0.0,
                                                        False, False, seqused_k=t["k_used"])[0]
 
@@ -126,9 +139,9 @@ class FlashAttnBackend(_VarlenBase):
                              "(overlapping key ranges); use codec.attention=varlen")
         self._fn = flash_attn_varlen_func
 
-    def run(self, q, k, v, meta: LaunchMeta, key_base: torch.Tensor) -> torch.Tensor:
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
         t = meta.tensors
-        starts = t["k_start"] + key_base.to(torch.int32)
+        starts = self._starts(meta, keys)
         return self._fn(q, k, v, t["cu_q"], starts, meta.max_q, meta.max_k, seqused_k=t["k_used"], causal=False)
 
 

@@ -27,7 +27,7 @@ class CodecConfig:
     hift_graph_counters: int = 128
     hift_graph_capture_after: int = 3
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    hift_fused_snake: bool = False  # Snake + pad as one Triton kernel (CUDA float32)
+    triton_kernels: bool = False  # HiFT's Snake + pad and the flow's rotary as Triton kernels (CUDA)
 
     def hift_graph_options(self) -> dict | None:
         """``HiftRunner(graphs=...)``: None for eager decode."""

@@ -32,16 +32,21 @@ def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return freqs.cos(), freqs.sin() * sign
 
 
-def block_pre(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: int):
+def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """In place on qkv [N, 3, inner]: the rotary of q's and k's first ``rot`` channels (only
+    head 0 carries it), in float32. Five kernels; ``triton_kernels.rotary_qk_`` is one."""
+    qk = qkv[:, :2, : cos.shape[-1]]
+    xr = qk.float()
+    swapped = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    qk.copy_(torch.addcmul(xr * cos[:, None], swapped, sin_signed[:, None]))
+
+
+def block_pre(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: int, rotary_=rotary_qk_):
     """Modulated pre-norm, fused q/k/v and the head-0 rotary: h [N, D] -> q, k, v [N, H, Dh]
     (strided views of one [N, 3, H, Dh] buffer; ``scale1`` is the precomputed 1 + scale)."""
     x = _modulated_ln(h, scale1, shift)
     qkv = F.linear(x, wqkv, bqkv).unflatten(-1, (3, -1))  # [N, 3, inner]
-    rot = cos.shape[-1]
-    qk = qkv[:, :2, :rot]  # only head 0 of q and k carries rotary
-    xr = qk.float()
-    swapped = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    qk.copy_(torch.addcmul(xr * cos[:, None], swapped, sin_signed[:, None]))
+    rotary_(qkv, cos, sin_signed)
     q, k, v = qkv.unflatten(-1, (heads, -1)).unbind(1)
     return q, k, v
 

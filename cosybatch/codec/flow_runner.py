@@ -15,6 +15,7 @@ step is one replay of a captured graph for the call's layout bucket (``flow_grap
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Hashable
@@ -89,11 +90,13 @@ class FlowRunner:
         graph_capacity: int = 256,
         capture: Capture | None = None,
         conv_channels_last: bool | None = None,
+        triton_rotary: bool = False,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
         ``graphs``: replay captured Euler steps per layout bucket (CUDA with a varlen attention
-        backend; ``capture`` injects the mechanism for tests)."""
+        backend; ``capture`` injects the mechanism for tests). ``triton_rotary``: the head-0
+        rotary as one Triton kernel per layer (CUDA), not five."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -114,6 +117,10 @@ class FlowRunner:
         if conv_channels_last is None:
             conv_channels_last = self.device.type == "cuda"
         pre, post = block_pre, block_post
+        if triton_rotary:
+            from cosybatch.codec import triton_kernels
+
+            pre = functools.partial(block_pre, rotary_=triton_kernels.rotary_qk_)
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
             post = torch.compile(block_post, dynamic=True)
@@ -135,7 +142,7 @@ class FlowRunner:
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
                    chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
-                   graph_capacity=cfg.flow_graph_capacity)
+                   graph_capacity=cfg.flow_graph_capacity, triton_rotary=cfg.triton_kernels)
 
     # ------------------------------------------------------------------ setup
 

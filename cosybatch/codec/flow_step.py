@@ -83,11 +83,18 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
     h = torch.where(b.valid[:, None], h, 0.0)
     h = t.conv(h, b.valid.to(dtype)).index_select(0, b.conv_of_token)
     mods = t.mods.index_select(0, s)[0]
-    base = s * (len(t.blocks) * arena.slot) if arena is not None and b.pool is not None else None
+    keys = slots = None
+    if arena is not None and b.pool is not None:
+        # This step's arena slot of every layer, as key starts and K/V write positions: a few
+        # kernels per step, where per-layer offsets cost five tiny graph nodes per layer.
+        depth = len(t.blocks)
+        bases = s * (depth * arena.slot) + torch.arange(depth, device=s.device) * arena.slot
+        keys = backend.layer_keys(b.pool, bases)
+        slots = b.pool_slots[None, :] + bases[:, None]
     for layer, (wpre, wpost) in enumerate(t.blocks):
         m = mods[layer]
         q, k, v = t.pre(h, m[0], m[1], *wpre, b.cos, b.sin, t.heads)
-        o = _attend(q, k, v, b, backend, arena, None if base is None else base + layer * arena.slot)
+        o = _attend(q, k, v, b, backend, arena, None if keys is None else (keys[layer], slots[layer]))
         h = t.post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
     fm = t.final.index_select(0, s)[0]
     vel = F.linear(F.layer_norm(h, (h.shape[-1],), fm[0], fm[1], eps=LN_EPS), *t.proj_out).float()
@@ -98,18 +105,17 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
     b.step.add_(1)
 
 
-def _attend(q, k, v, b: StepBuffers, backend, arena, base):
-    zero = b.step.new_zeros(())
+def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys):
     o_pool = o_self = None
     if b.pool is not None:
         # Every token writes its K/V (non-pool tokens into the dump frame), then the pool
         # launch reads each cached row's keys in place from this (step, layer) slot.
-        idx = b.pool_slots + base
+        keys, idx = pool_keys
         arena.k.index_copy_(0, idx, k)
         arena.v.index_copy_(0, idx, v)
-        o_pool = backend.run(q, arena.k, arena.v, b.pool, base)
+        o_pool = backend.run(q, arena.k, arena.v, b.pool, keys)
     if b.self_ is not None:
-        o_self = backend.run(q, k, v, b.self_, zero)
+        o_self = backend.run(q, k, v, b.self_)
     if o_pool is None:
         return o_self
     if o_self is None:

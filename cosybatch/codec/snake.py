@@ -38,7 +38,7 @@ class SnakePad:
     def __call__(self, x: torch.Tensor, snake: Snake, pad: int) -> torch.Tensor:
         alpha, inv = snake.alpha.detach(), self._inv[snake]
         if self.backend == "triton" and x.is_cuda and x.dtype == torch.float32:
-            from cosybatch.codec.snake_triton import snake_pad
+            from cosybatch.codec.triton_kernels import snake_pad
 
             return snake_pad(x, alpha, inv, pad)
         a, i = alpha[None, :, None], inv[None, :, None]

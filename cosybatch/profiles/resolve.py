@@ -97,7 +97,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
         hift_graph_precapture=o.hift_graph_precapture if cuda else (),
-        hift_fused_snake=o.hift_fused_snake and cuda and triton_available())
+        triton_kernels=o.triton_kernels and cuda and triton_available())
     # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
