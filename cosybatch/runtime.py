@@ -7,7 +7,6 @@ the pipeline builders call :func:`apply_process_settings` once, before any model
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -18,7 +17,6 @@ class ProcessSettings:
     intra_op_threads: int | None = None  # None: leave torch's default
     cudnn_tf32: bool | None = None  # float32 convolutions on TF32 tensor cores (CUDA only)
     matmul_tf32: bool | None = None  # float32 matmuls on TF32 tensor cores (CUDA only)
-    switch_interval_s: float | None = None  # Python's GIL switch interval (sys.setswitchinterval)
 
 
 def triton_available() -> bool:
@@ -36,9 +34,6 @@ def apply_process_settings(s: ProcessSettings) -> None:
     if s.intra_op_threads is not None and s.intra_op_threads != torch.get_num_threads():
         log.info("torch intra-op threads: %d -> %d", torch.get_num_threads(), s.intra_op_threads)
         torch.set_num_threads(s.intra_op_threads)
-    if s.switch_interval_s is not None and s.switch_interval_s != sys.getswitchinterval():
-        log.info("GIL switch interval: %.2f -> %.2f ms", sys.getswitchinterval() * 1e3, s.switch_interval_s * 1e3)
-        sys.setswitchinterval(s.switch_interval_s)
     if s.cudnn_tf32 is not None:
         torch.backends.cudnn.allow_tf32 = s.cudnn_tf32
     if s.matmul_tf32 is not None:

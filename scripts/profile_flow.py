@@ -4,7 +4,8 @@ For streaming hops of ``--rows`` rows in lock step (prompt 5 s, prefix reused, t
 hop), per row count: GPU milliseconds per Euler step from graph replays (CUDA events), padded
 tokens per step, and the fit ``ms = fixed + per_token * tokens`` over the row counts. Then
 one kernel profile of the eager step at ``--profile-rows`` rows: the kernels by GPU time per
-Euler step, with launch counts, so the fixed part can be named. Random full-size weights.
+Euler step, with launch counts, so the fixed part can be named. ``--variants`` times the step
+with the rotary as eager ops and as the Triton kernel, side by side. Random full-size weights.
   python scripts/profile_flow.py --rows 1,2,4,8,16,32 --profile-rows 4 --json out.json
 """
 
@@ -77,6 +78,28 @@ def time_hop(runner, rows, tag, hop, reps):
     return float(np.median(ms)), tokens, float(np.median(host))
 
 
+def sweep(flow, args, dtype, cuda: bool, variant: str) -> dict:
+    """Graphed step times over the row counts for one variant (``eager-rotary`` or ``triton``),
+    and the fit."""
+    runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
+                        graphs=cuda, graph_capacity=64, triton_rotary=variant == "triton")
+    out = {"rows": []}
+    for n in [int(x) for x in args.rows.split(",") if x]:
+        rows = make_rows(flow.cfg, n, 125, 250, args.device, seed=n)
+        ms, tok, host = time_hop(runner, rows, ("r", n), args.hop, args.reps)
+        out["rows"].append({"rows": n, "ms_per_step": ms, "padded_tokens": tok, "start_host_ms": host})
+        print(f"[{variant}] graphed step, {n:3d} rows, hop {args.hop}: {ms:6.3f} ms per Euler step, {tok:6d} padded "
+              f"tokens ({1e3 * ms / max(tok, 1):.3f} us/token); host {host:.2f} ms to start the solve", flush=True)
+    if len(out["rows"]) >= 2:
+        x = np.array([r["padded_tokens"] for r in out["rows"]], float)
+        y = np.array([r["ms_per_step"] for r in out["rows"]])
+        slope, icpt = np.polyfit(x, y, 1)
+        out["fit"] = {"fixed_ms": icpt, "us_per_token": 1e3 * slope}
+        print(f"[{variant}] fit: {icpt:.3f} ms fixed + {1e3 * slope:.3f} us per padded token", flush=True)
+    out["graphs"] = runner.graphs.stats.as_dict() if runner.graphs else {}
+    return out
+
+
 def kernel_profile(runner, rows, hop, top):
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,31 +147,30 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--size", default="full", choices=["tiny", "small", "full"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variants", default="eager-rotary,triton",
+                    help="comma list: eager-rotary (five PyTorch ops per layer), triton (one Triton kernel); the "
+                         "kernel profile runs the last")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     flow = build_flow(args.size, args.device)
     cuda = args.device.startswith("cuda")
     cfg = flow.cfg
-    out = {"rows": []}
+    out = {}
     dtype = torch.bfloat16 if cuda else torch.float32
-    runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
-                        graphs=cuda, graph_capacity=64)
-    for n in [int(x) for x in args.rows.split(",") if x]:
-        rows = make_rows(cfg, n, 125, 250, args.device, seed=n)
-        ms, tok, host = time_hop(runner, rows, ("r", n), args.hop, args.reps)
-        out["rows"].append({"rows": n, "ms_per_step": ms, "padded_tokens": tok, "start_host_ms": host})
-        print(f"graphed step, {n:3d} rows, hop {args.hop}: {ms:6.3f} ms per Euler step, {tok:6d} padded tokens "
-              f"({1e3 * ms / max(tok, 1):.3f} us/token); host {host:.2f} ms to start the solve", flush=True)
-    if len(out["rows"]) >= 2:
-        x = np.array([r["padded_tokens"] for r in out["rows"]], float)
-        y = np.array([r["ms_per_step"] for r in out["rows"]])
-        slope, icpt = np.polyfit(x, y, 1)
-        out["fit"] = {"fixed_ms": icpt, "us_per_token": 1e3 * slope}
-        print(f"fit: {icpt:.3f} ms fixed + {1e3 * slope:.3f} us per padded token", flush=True)
-    out["graphs"] = runner.graphs.stats.as_dict() if runner.graphs else {}
-    del runner
-    eager = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30)
+    variants = [v for v in args.variants.split(",") if v]
+    for variant in variants:
+        out[variant] = sweep(flow, args, dtype, cuda, variant)
+    if len(variants) > 1:
+        print("| rows | padded tokens | " + " | ".join(f"ms per step, {v}" for v in variants) + " |")
+        print("|---|---|" + "---|" * len(variants))
+        for i, r in enumerate(out[variants[0]]["rows"]):
+            print(f"| {r['rows']} | {r['padded_tokens']} | " + " | ".join(f"{out[v]['rows'][i]['ms_per_step']:.3f}"
+                                                                      for v in variants) + " |")
+        print("| fit | | " + " | ".join(f"{out[v]['fit']['fixed_ms']:.2f} ms + {out[v]['fit']['us_per_token']:.2f} us/token"
+                                         if "fit" in out[v] else "-" for v in variants) + " |", flush=True)
+    eager = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
+                       triton_rotary=cuda and "triton" in variants)
     rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
     out["profile"] = kernel_profile(eager, rows, args.hop, args.top)
     if args.json:

@@ -102,7 +102,6 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
     process = ProcessSettings(intra_op_threads=1 if cuda and c.frontend_workers > 1 else None,
-                              switch_interval_s=c.gil_switch_interval_ms / 1e3 if cuda else None,
                               cudnn_tf32=c.hift_tf32 if cuda else None)
     return RunSettings(engine=EngineConfig.from_mapping(ar), codec=codec, process=process,
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),

@@ -59,10 +59,6 @@ class CodecProfile:
     max_wait_ms: float = 250.0
     # Threads that compute prompt features (ONNX tokenizer, CAM++, mels) ahead of admission.
     frontend_workers: int = 4
-    # Python's GIL switch interval while a CUDA pipeline runs. Every PyTorch call of the thread
-    # that drives the GPU releases the GIL, and while a frontend worker runs Python it gets it
-    # back only after this long (Python's default: 5 ms, per call).
-    gil_switch_interval_ms: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -258,7 +254,6 @@ RANGES: dict[str, tuple[Any, str]] = {
                                             "must be a list of [requests, frames] pairs >= 1"),
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
     "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
-    "codec.gil_switch_interval_ms": (lambda v: v > 0, "must be > 0"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),
