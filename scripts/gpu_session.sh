@@ -54,7 +54,7 @@ for step in "$@"; do
         --full-jobs 2,4,8,16,32 --profile 8 --no-baseline --reps 2 --json "$OUT/bench_flowsweep.json" 2>&1 \
         | tee "$OUT/bench_flowsweep.txt" | grep -v "^#" ;;
     flowprof) log "profile_flow: graphed step time vs rows (fixed cost fit) + eager kernel profile"
-      timeout 300 python3 scripts/profile_flow.py --rows 1,2,4,8,16,32 --hop 1 --profile-rows 4 \
+      timeout 300 python3 scripts/profile_flow.py --rows 1,4,8,16 --hop 1 --profile-rows 16 \
         --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
     conv) log "bench_codec --conv: the position convs, NCL vs channels-last, by length"
       timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
@@ -63,7 +63,7 @@ for step in "$@"; do
       timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | cut -c1-120 | tail -45 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
-      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:" "$OUT/flow_tests.txt" | tail -12 ;;
+      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary" "$OUT/flow_tests.txt" | tail -16 ;;
     hifttests) log "pytest -m gpu tests/test_codec_hift.py tests/test_graph_cache.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codec_hift.py tests/test_graph_cache.py > "$OUT/hift_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hift_tests.txt"; tail -4 "$OUT/hift_tests.txt" ;;
