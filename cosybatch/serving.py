@@ -273,6 +273,7 @@ class FastPipeline:
             if ready:
                 self._launch_features(ready)
             ready = []
+            # oldest first; ``wait`` (the loop is idle) waits for the oldest one only
             while self._featuring and (wait or self._featuring[0][1] is None or self._featuring[0][1].ready()):
                 ready += self._read_features(*self._featuring.popleft())
                 wait = False
@@ -294,27 +295,27 @@ class FastPipeline:
         try:
             pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
         except Exception:
-            pending = None  # read_features retries prompt by prompt
+            pending = None  # _read_features redoes it prompt by prompt
         self.acct.end(t)
         self._featuring.append((ready, pending))
 
     def _read_features(self, ready: list, pending) -> list:
         """(request, features, text) of a launched batch; a batch that failed is retried prompt
         by prompt, and only a prompt that fails alone fails its row."""
-        try:
-            if pending is None:
-                raise RuntimeError("launch failed")
-            with self.acct.waiting():
-                feats = pending.result()
-            return [(req, f, text) for (req, _, text), f in zip(ready, feats)]
-        except Exception:
-            out = []
-            for req, loaded, text in ready:
-                try:
-                    out.append((req, self.frontend.features([loaded])[0], text))
-                except Exception as e:
-                    self._error(req.request_id, e)
-            return out
+        if pending is not None:
+            try:
+                with self.acct.waiting():
+                    feats = pending.result()
+                return [(req, f, text) for (req, _, text), f in zip(ready, feats)]
+            except Exception:
+                pass  # redone prompt by prompt below
+        out = []
+        for req, loaded, text in ready:
+            try:
+                out.append((req, self.frontend.features([loaded])[0], text))
+            except Exception as e:
+                self._error(req.request_id, e)
+        return out
 
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling

@@ -254,6 +254,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prefix-budget-gb", type=float, default=64.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the streaming run without reuse")
+    ap.add_argument("--no-triton", action="store_true", help="the rotary as PyTorch ops (the pipeline uses the Triton kernel on CUDA)")
     ap.add_argument("--profile", type=int, default=0, help="profile one eager full pass of this many jobs (top kernels)")
     ap.add_argument("--conv", action="store_true", help="time the position convs: NCL conv1d vs the channels-last form")
     ap.add_argument("--conv-frames", default="800,1600,3200,6400,12800,34000")
@@ -266,6 +267,7 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     flow = build_flow(args.size, args.device)
     cfg = flow.cfg
+    args.no_triton = args.no_triton or not args.device.startswith("cuda")
     budget = int(args.prefix_budget_gb * (1 << 30))
     variants = [v for v in args.variants.split(",") if v]
     results = {"args": vars(args), "token_gflop": token_flops(cfg) / 1e9, "full": [], "stream": []}
@@ -281,7 +283,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         compiled = label == "compiled"
         runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled,
-                            graphs=label == "graphs", graph_capacity=64)
+                            graphs=label == "graphs", graph_capacity=64, triton_rotary=not args.no_triton)
         for n in [int(x) for x in args.full_jobs.split(",") if x]:
             _guard(f"full {label} {n}", section_full, runner, cfg, args, n, label, results)
         _guard(f"stream {label}", section_stream, runner, flow, cfg, dtype, budget, args, label, compiled, results)

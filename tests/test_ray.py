@@ -111,7 +111,7 @@ def test_ray_on_the_tiny_checkpoint_writes_what_one_process_writes(local_ray, tm
     assert ok_counts(out) == {u: 1 for u in ("utt1", "utt2", "utt3", "utt4")}
 
 
-def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, tmp_path, monkeypatch):
+def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, tmp_path, monkeypatch, request):
     from cosybatch import ray_cli
 
     man = make_manifest(tmp_path, 10)
@@ -126,6 +126,10 @@ def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, t
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(ray_cli.RayRun, "_result", ctrl_c_after_one)
+    # A shell starts background jobs with SIGINT ignored, and Python keeps that: Ctrl-C must
+    # reach this run however pytest was started.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     args = ["synth", man, "--out", out, *FAKE, "--device", "cpu", "--wav-subtype", "FLOAT", "-q", "--ray",
             "--set", f"calls={calls}"]
     # every actor's rows after its first two are slow: the interrupt always lands with rows left,

@@ -55,7 +55,7 @@ def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, row_stride, inner, cs_stride, rot,
     cs = tl.load(cos_ptr + n * cs_stride + c, mask=m, other=0.0)
     sn = tl.load(sin_ptr + n * cs_stride + c, mask=m, other=0.0)
     base = qkv_ptr + n.to(tl.int64) * row_stride
-    for j in tl.static_range(2):  # q, then k: both read before either is written
+    for j in tl.static_range(2):  # q, then k; a row's pair partners are loaded before it is stored
         p = base + j * inner
         x = tl.load(p + c, mask=m, other=0.0).to(tl.float32)
         y = tl.load(p + (c ^ 1), mask=m, other=0.0).to(tl.float32)  # the pair partner

@@ -57,7 +57,7 @@ class RawFeatures:
     mel: torch.Tensor  # float32 [1, F, num_mels]
 
 
-class Pending:
+class PendingRaw:
     """Features whose device work is queued: ``ready()`` polls (never waits), ``result()``
     waits for the copies back and returns the features in input order."""
 
@@ -140,7 +140,7 @@ class DeviceFrontend:
         return self.launch(wav16, wav_mel, fbank).result()
 
     def launch(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor],
-               fbank: list[torch.Tensor] | None = None) -> Pending:
+               fbank: list[torch.Tensor] | None = None) -> PendingRaw:
         """``compute`` without the wait: every chunk's work and its copy back are queued on the
         current stream, behind what is queued already; the caller reads the results later."""
         n16 = [int(w.shape[-1]) for w in wav16]
@@ -154,7 +154,7 @@ class DeviceFrontend:
             if self.device.type == "cuda" and chunks:
                 done = torch.cuda.Event()
                 done.record()
-        return Pending(len(wav16), chunks, done)
+        return PendingRaw(len(wav16), chunks, done)
 
     # ---- transfers ----------------------------------------------------------------------
     def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -283,4 +283,4 @@ class DeviceFrontend:
             torch.cuda.synchronize(self.device)
 
 
-__all__ = ["DeviceFrontend", "RawFeatures"]
+__all__ = ["DeviceFrontend", "PendingRaw", "RawFeatures"]
