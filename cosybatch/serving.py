@@ -7,8 +7,9 @@ Each ``step`` is one iteration: admit rows whose prompt features are ready, queu
 AR step's tokens (the one sync of an iteration: it waits for the AR step, not for the codec
 work queued after it) and turn them into hops. Audio comes back through pinned buffers read
 once their copy has finished. One stream, one order: the AR step never competes with codec
-kernels for the GPU. Prompt audio is read and resampled on worker threads that never touch
-CUDA; when the frontend runs on the GPU, its batched models run here as one more slice.
+kernels for the GPU. Prompt work (``timeline/prompt_work.py``): audio is read and resampled on
+worker threads that never touch CUDA; when the frontend runs on the GPU, its batched models
+run here as one more slice, read back an iteration later.
 
 Rows are independent: an exception while preparing or running one row becomes that row's
 ``error`` event and the others go on.
@@ -17,11 +18,9 @@ Rows are independent: an exception while preparing or running one row becomes th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import zlib
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -39,6 +38,7 @@ from cosybatch.timeline import policy
 from cosybatch.timeline.accounting import Accounting
 from cosybatch.timeline.codec_work import CodecWork, Hop
 from cosybatch.timeline.costs import CostModel
+from cosybatch.timeline.prompt_work import PromptWork
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +95,13 @@ class FastPipeline:
                                CostModel(learn=device.type == "cuda"), limits, device)
         self._token_frames = self.cfg.flow.token_mel_ratio
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
-        self._pool = ThreadPoolExecutor(settings.frontend_workers, thread_name_prefix="cosybatch-frontend")
-        self._wake = threading.Condition()
-        self._preparing: dict[str, tuple[SynthRequest, Future]] = {}
-        # GPU frontend batches on their way back: (their rows, PendingFeatures), oldest first
-        self._featuring: deque = deque()
+        # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
+        on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
+        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct)
         self._rows: dict[str, _Row] = {}
         self._events: list[Event] = []
-        self._frontend_s = 0.0
-        self._frontend_lock = threading.Lock()  # several workers add to _frontend_s
-        # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
-        self._device_frontend = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
-        self._closed = False
         self._counter_base: dict[str, int] = {}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
@@ -129,17 +122,15 @@ class FastPipeline:
             self._events.append(Event(req.request_id, "error", error=f"stream={req.stream} asked of a pipeline "
                                       f"built for mode={mode} (set the profile's mode)"))
             return
-        fut = self._pool.submit(self._prepare, req)
-        fut.add_done_callback(lambda _: self._notify())
-        self._preparing[req.request_id] = (req, fut)
+        self.prompts.add(req)
 
     def has_work(self) -> bool:
-        return bool(self._preparing or self._featuring or self._rows or self._events or self.codec.has_work())
+        return bool(self.prompts.has_work() or self._rows or self._events or self.codec.has_work())
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage held the GPU (AR, flow, HiFT), and the frontend workers' busy time."""
         busy = self.acct.busy_s()
-        return {"frontend": self._frontend_s + busy.get("frontend", 0.0),
+        return {"frontend": self.prompts.busy_s + busy.get("frontend", 0.0),
                 "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
                 "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": busy.get("hift", 0.0)}
 
@@ -224,59 +215,20 @@ class FastPipeline:
         """Compute and cache the features of these prompts now, in batches, so that requests
         using them later pay no frontend model work (``profile --warm-prompts``: the same run
         with the frontend's work removed). Returns the number of distinct paths."""
-        paths = list(dict.fromkeys(str(p) for p in wav_paths))
-        self.frontend.features(list(self._pool.map(self.frontend.load, paths)))  # batched by the frontend
-        return len(paths)
+        return self.prompts.warm(wav_paths)
 
     def close(self) -> None:
         """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
         let the frontend finish its disk-cache writes."""
-        self._closed = True
-        self._notify()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        close = getattr(self.frontend, "close", None)
-        if close is not None:
-            close()
+        self.prompts.close()
 
-    # ------------------------------------------------------------------ frontend and admission
-
-    def _notify(self) -> None:
-        with self._wake:
-            self._wake.notify_all()
-
-    def _prepare(self, req: SynthRequest) -> tuple:
-        """(PromptFeatures, or a LoadedPrompt for the GPU frontend; the text ids), on a worker."""
-        t0 = time.perf_counter()
-        try:
-            loaded = self.frontend.load(req.row.prompt_wav)
-            if not self._device_frontend:
-                loaded = self.frontend.features([loaded])[0]
-            text = self.frontend.prepare(req.row.prompt_text, req.row.target_text)
-        finally:
-            with self._frontend_lock:
-                self._frontend_s += time.perf_counter() - t0
-        return loaded, text
+    # ------------------------------------------------------------------ admission
 
     def _admit(self, wait: bool = False) -> bool:
-        """Rows whose prompt work is done start their first segment. A GPU frontend's batch is
-        launched here and read back at a later iteration, once its copies have landed (or now,
-        with ``wait``), so its read never drains the queue."""
-        done = [rid for rid, (_, f) in self._preparing.items() if f.done()]
-        ready = []
-        for rid in done:
-            req, fut = self._preparing.pop(rid)
-            try:
-                ready.append((req, *fut.result()))
-            except Exception as e:  # a bad row must not take the others down
-                self._error(rid, e)
-        if self._device_frontend:
-            if ready:
-                self._launch_features(ready)
-            ready = []
-            # oldest first; ``wait`` (the loop is idle) waits for the oldest one only
-            while self._featuring and (wait or self._featuring[0][1] is None or self._featuring[0][1].ready()):
-                ready += self._read_features(*self._featuring.popleft())
-                wait = False
+        """Rows whose prompt work is done start their first segment (``timeline/prompt_work``)."""
+        ready, failed, progressed = self.prompts.take(wait)
+        for rid, e in failed:
+            self._error(rid, e)
         for req, feats, text in ready:
             rid = req.request_id
             # The copy the codec reads: mel and embedding on the device, tokens on the host (they index).
@@ -286,36 +238,7 @@ class FastPipeline:
             row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
             self._rows[rid] = row
             self._start_segment(row)
-        return bool(done) or bool(ready)
-
-    def _launch_features(self, ready: list) -> None:
-        """The GPU frontend's models for every newly loaded prompt, as one batched slice (rows
-        need their speech tokens on the host, so its results are copied back)."""
-        t = self.acct.start("frontend")
-        try:
-            pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
-        except Exception:
-            pending = None  # _read_features redoes it prompt by prompt
-        self.acct.end(t)
-        self._featuring.append((ready, pending))
-
-    def _read_features(self, ready: list, pending) -> list:
-        """(request, features, text) of a launched batch; a batch that failed is retried prompt
-        by prompt, and only a prompt that fails alone fails its row."""
-        if pending is not None:
-            try:
-                with self.acct.waiting():
-                    feats = pending.result()
-                return [(req, f, text) for (req, _, text), f in zip(ready, feats)]
-            except Exception:
-                pass  # redone prompt by prompt below
-        out = []
-        for req, loaded, text in ready:
-            try:
-                out.append((req, self.frontend.features([loaded])[0], text))
-            except Exception as e:
-                self._error(req.request_id, e)
-        return out
+        return progressed
 
     def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
         s = self.sampling
@@ -471,16 +394,14 @@ class FastPipeline:
     def _idle(self) -> None:
         """Nothing was queued: wait for the GPU's oldest chunk or frontend batch, or briefly for
         the frontend's workers."""
-        if self._featuring:
+        if self.prompts.launched:
             self._admit(wait=True)
             return
         if self.codec.outbox:
             with self.acct.waiting():
                 self._take_audio(wait=True)
             return
-        with self._wake:
-            if not self._closed and not any(f.done() for _, f in self._preparing.values()):
-                self._wake.wait(timeout=0.005)
+        self.prompts.idle()
 
 
 def _segment_id(request_id: str, seg: int) -> str:

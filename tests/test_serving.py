@@ -45,7 +45,7 @@ class _Together:
         return self.pipe.has_work()
 
     def step(self):
-        for _, fut in list(self.pipe._preparing.values()):
+        for _, fut in list(self.pipe.prompts.preparing.values()):
             fut.exception()  # waits
         return self.pipe.step()
 
@@ -153,7 +153,7 @@ def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(par
     profile = load_profile("default", FP32)
     a, _ = _drain(FastPipeline.from_profile(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
     batched = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
-    batched._device_frontend = True  # what a torch frontend on CUDA selects
+    batched.prompts.on_device = True  # what a torch frontend on CUDA selects
     calls, polls = [], []
     real = frontend.launch_features
 
@@ -189,7 +189,7 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     rows = _rows(fixtures_dir)[:3]
     bad = rows[1].prompt_wav
     pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
-    pipe._device_frontend = True
+    pipe.prompts.on_device = True
     real_launch = frontend.launch_features
 
     def launch(prompts):  # a batch runs out of memory; a bad prompt fails alone too
