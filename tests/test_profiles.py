@@ -349,3 +349,22 @@ def test_slice_settings_reach_the_timeline_limits():
     assert resolve(load_profile("packed_streaming"), ModelConfig(), torch.device("cpu")).slices.solve_tokens is None
     assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
         "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"
+
+
+def test_triton_kernels_only_where_cuda_and_triton_are(monkeypatch):
+    """``optimizations.triton_kernels`` (on by default) reaches the codec only on CUDA with Triton
+    importable; on CPUs, without Triton or when switched off, the eager ops run."""
+    import torch
+
+    from cosybatch.config import ModelConfig
+    from cosybatch.profiles import resolve as r
+
+    cfg, cuda, cpu = ModelConfig(), torch.device("cuda"), torch.device("cpu")
+    assert load_profile("packed_streaming").optimizations.triton_kernels is True
+    monkeypatch.setattr(r, "triton_available", lambda: True)
+    assert r.resolve(load_profile("packed_streaming"), cfg, cuda).codec.triton_kernels is True
+    assert r.resolve(load_profile("packed_streaming"), cfg, cpu).codec.triton_kernels is False
+    off = load_profile("packed_streaming", ["optimizations.triton_kernels=false"])
+    assert r.resolve(off, cfg, cuda).codec.triton_kernels is False
+    monkeypatch.setattr(r, "triton_available", lambda: False)
+    assert r.resolve(load_profile("packed_streaming"), cfg, cuda).codec.triton_kernels is False
