@@ -20,7 +20,7 @@ class ProcessSettings:
 
 
 def triton_available() -> bool:
-    """Whether Triton imports (the CUDA kernels of the AR engine and HiFT's Snake)."""
+    """Whether Triton imports (the CUDA kernels of the AR engine and of the codec)."""
     try:
         import triton  # noqa: F401
     except Exception:

@@ -32,14 +32,16 @@ class SnakePad:
     def __init__(self, hift: torch.nn.Module, backend: str = "triton"):
         if backend not in ("triton", "torch"):
             raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
-        self.backend = backend
+        self._kernel = None
+        if backend == "triton":
+            from cosybatch.codec.triton_kernels import snake_pad
+
+            self._kernel = snake_pad
         self._inv = {m: (1.0 / (m.alpha.detach() + 1e-9)) for m in hift.modules() if isinstance(m, Snake)}
 
     def __call__(self, x: torch.Tensor, snake: Snake, pad: int) -> torch.Tensor:
         alpha, inv = snake.alpha.detach(), self._inv[snake]
-        if self.backend == "triton" and x.is_cuda and x.dtype == torch.float32:
-            from cosybatch.codec.triton_kernels import snake_pad
-
-            return snake_pad(x, alpha, inv, pad)
+        if self._kernel is not None and x.is_cuda and x.dtype == torch.float32:
+            return self._kernel(x, alpha, inv, pad)
         a, i = alpha[None, :, None], inv[None, :, None]
         return F.pad(x + i * torch.sin(x * a).pow(2), (pad, 0))

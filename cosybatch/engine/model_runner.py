@@ -27,7 +27,6 @@ from cosybatch.runtime import triton_available
 log = logging.getLogger(__name__)
 
 
-
 class DecodeRows:
     """Device tensors indexed by decode row."""
 
