@@ -152,20 +152,21 @@ def profile_full(flow, cfg, dtype, args, budget):
 
 
 def bench_conv(flow, dtype, args, reps=20):
-    """The two causal position convs over packed layouts of several sizes: module form vs
-    channels-last."""
+    """The two causal position convs over packed layouts of several sizes, in each form of
+    ``ConvPositionEmbed`` this device runs (the Triton kernel only on CUDA)."""
     import copy
 
     from cosybatch.codec.dit_step import ConvPositionEmbed
 
     dit = copy.deepcopy(flow.decoder.estimator).to(dtype)
-    cl, ncl = ConvPositionEmbed(dit, True), ConvPositionEmbed(dit, False)
+    forms = [f for f in ConvPositionEmbed.FORMS if args.device.startswith("cuda") or f == "conv1d"]
+    convs = {f: ConvPositionEmbed(dit, f) for f in forms}
     out = []
     for frames in [int(x) for x in args.conv_frames.split(",") if x]:
         h = torch.randn(frames, dit.cfg.dim, device=args.device, dtype=dtype)
         valid = torch.ones(frames, device=args.device, dtype=dtype)
         gflop = 2 * 2 * frames * dit.cfg.dim * (dit.cfg.dim // dit.cfg.conv_pos_groups) * dit.cfg.conv_pos_kernel / 1e9
-        for name, conv in (("conv1d NCL", ncl), ("conv2d channels-last", cl)):
+        for name, conv in convs.items():
             conv(h, valid)
             sync(args.device)
             t0 = time.perf_counter()
@@ -175,8 +176,11 @@ def bench_conv(flow, dtype, args, reps=20):
             ms = (time.perf_counter() - t0) / reps * 1e3
             out.append({"frames": frames, "form": name, "ms": ms})
             print(f"conv   {name:22s} {frames:6d} frames: {ms:7.3f} ms ({gflop / ms:6.1f} TFLOP/s)", flush=True)
-        d = (ncl(h, valid) - cl(h, valid)).abs().max().item()
-        print(f"conv   max |NCL - channels-last| = {d:.3e}", flush=True)
+        ref = convs["conv1d"](h, valid).float()
+        for name, conv in convs.items():
+            if name != "conv1d":
+                d = (conv(h, valid).float() - ref).abs().max().item()
+                print(f"conv   max |{name} - conv1d| = {d:.3e}", flush=True)
     return out
 
 
@@ -283,7 +287,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         compiled = label == "compiled"
         runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=budget, compile=compiled,
-                            graphs=label == "graphs", graph_capacity=64, triton_rotary=not args.no_triton)
+                            graphs=label == "graphs", graph_capacity=64, triton_kernels=not args.no_triton)
         for n in [int(x) for x in args.full_jobs.split(",") if x]:
             _guard(f"full {label} {n}", section_full, runner, cfg, args, n, label, results)
         _guard(f"stream {label}", section_stream, runner, flow, cfg, dtype, budget, args, label, compiled, results)

@@ -63,7 +63,7 @@ for step in "$@"; do
       timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | cut -c1-120 | tail -45 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
-      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary" "$OUT/flow_tests.txt" | tail -16 ;;
+      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv " "$OUT/flow_tests.txt" | tail -24 ;;
     hifttests) log "pytest -m gpu tests/test_codec_hift.py tests/test_graph_cache.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codec_hift.py tests/test_graph_cache.py > "$OUT/hift_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hift_tests.txt"; tail -4 "$OUT/hift_tests.txt" ;;

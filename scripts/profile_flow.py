@@ -5,7 +5,8 @@ hop), per row count: GPU milliseconds per Euler step from graph replays (CUDA ev
 tokens per step, and the fit ``ms = fixed + per_token * tokens`` over the row counts. Then
 one kernel profile of the eager step at ``--profile-rows`` rows: the kernels by GPU time per
 Euler step, with launch counts, so the fixed part can be named. ``--variants`` times the step
-with the rotary as eager ops and as the Triton kernel, side by side. Random full-size weights.
+with and without the Triton kernels side by side (``VARIANTS``) and compares each variant's mels
+with the first's over four rows' hops. Random full-size weights.
   python scripts/profile_flow.py --rows 1,2,4,8,16,32 --profile-rows 4 --json out.json
 """
 
@@ -27,6 +28,12 @@ from bench_codec import build_flow, make_rows  # noqa: E402
 
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
 from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
+
+
+# FlowRunner options per variant: eager ops and cuDNN convs; the Triton rotary with cuDNN's
+# convs; every Triton kernel (what the pipeline runs on CUDA).
+VARIANTS = {"eager": {"triton_kernels": False}, "cudnn-conv": {"triton_kernels": True, "conv_form": "channels_last"},
+            "triton": {"triton_kernels": True}}
 
 
 def hop_jobs(rows, tag, hop):
@@ -79,10 +86,10 @@ def time_hop(runner, rows, tag, hop, reps):
 
 
 def sweep(flow, args, dtype, cuda: bool, variant: str) -> dict:
-    """Graphed step times over the row counts for one variant (``eager-rotary`` or ``triton``),
-    and the fit."""
+    """Graphed step times over the row counts for one variant (a key of ``VARIANTS``), the fit,
+    and the mels of four rows' first hops (for the comparison between variants)."""
     runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
-                        graphs=cuda, graph_capacity=64, triton_rotary=variant == "triton")
+                        graphs=cuda, graph_capacity=64, **(VARIANTS[variant] if cuda else {}))
     out = {"rows": []}
     for n in [int(x) for x in args.rows.split(",") if x]:
         rows = make_rows(flow.cfg, n, 125, 250, args.device, seed=n)
@@ -97,7 +104,15 @@ def sweep(flow, args, dtype, cuda: bool, variant: str) -> dict:
         out["fit"] = {"fixed_ms": icpt, "us_per_token": 1e3 * slope}
         print(f"[{variant}] fit: {icpt:.3f} ms fixed + {1e3 * slope:.3f} us per padded token", flush=True)
     out["graphs"] = runner.graphs.stats.as_dict() if runner.graphs else {}
+    rows = make_rows(flow.cfg, 4, 125, 250, args.device, seed=7)
+    out["mels"] = [m.float() for jobs in hop_jobs(rows, "cmp", args.hop) for m in runner.run(jobs)]
     return out
+
+
+def compare(base: list, other: list) -> dict:
+    """Worst relative RMS and max |difference| of ``other``'s mels against ``base``'s."""
+    rel = max(((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() for a, b in zip(other, base))
+    return {"worst_rel_rms": rel, "max_abs": max((a - b).abs().max().item() for a, b in zip(other, base))}
 
 
 def kernel_profile(runner, rows, hop, top):
@@ -147,9 +162,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--size", default="full", choices=["tiny", "small", "full"])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variants", default="eager-rotary,triton",
-                    help="comma list: eager-rotary (five PyTorch ops per layer), triton (one Triton kernel); the "
-                         "kernel profile runs the last")
+    ap.add_argument("--variants", default="eager,cudnn-conv,triton",
+                    help=f"comma list of {', '.join(VARIANTS)}; the kernel profile runs the last")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -161,6 +175,11 @@ def main(argv=None):
     variants = [v for v in args.variants.split(",") if v]
     for variant in variants:
         out[variant] = sweep(flow, args, dtype, cuda, variant)
+    base = out[variants[0]].pop("mels")
+    for variant in variants[1:]:
+        out[variant]["vs_" + variants[0]] = c = compare(base, out[variant].pop("mels"))
+        print(f"[{variant}] mels vs {variants[0]}: worst rel RMS {c['worst_rel_rms']:.2e}, "
+              f"max |diff| {c['max_abs']:.2e}", flush=True)
     if len(variants) > 1:
         print("| rows | padded tokens | " + " | ".join(f"ms per step, {v}" for v in variants) + " |")
         print("|---|---|" + "---|" * len(variants))
@@ -170,7 +189,7 @@ def main(argv=None):
         print("| fit | | " + " | ".join(f"{out[v]['fit']['fixed_ms']:.2f} ms + {out[v]['fit']['us_per_token']:.2f} us/token"
                                          if "fit" in out[v] else "-" for v in variants) + " |", flush=True)
     eager = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
-                       triton_rotary=cuda and "triton" in variants)
+                       **(VARIANTS[variants[-1]] if cuda else {}))
     rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
     out["profile"] = kernel_profile(eager, rows, args.hop, args.top)
     if args.json:

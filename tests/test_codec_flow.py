@@ -303,8 +303,8 @@ def test_conv_layouts_agree_and_keep_rows_apart(flow):
     pe = dit.input_embed
     with torch.no_grad():
         want = [pe.conv_pos_embed(x[None])[0] + x for x in (a, b)]
-        for cl in (False, True):
-            got = ConvPositionEmbed(dit, cl)(packed, valid)
+        for form in ("conv1d", "channels_last"):
+            got = ConvPositionEmbed(dit, form)(packed, valid)
             torch.testing.assert_close(got[k - 1 : k - 1 + 40], want[0], rtol=0, atol=1e-5)
             torch.testing.assert_close(got[2 * (k - 1) + 40 :], want[1], rtol=0, atol=1e-5)
 
@@ -400,3 +400,22 @@ def test_batched_conditioning_matches_per_job_token_features(flow):
         n = j.frames - j.conv_start
         torch.testing.assert_close(got[at : at + n], want, rtol=0, atol=1e-5)
         at += n
+
+
+def test_kv_writes_through_wide_views_are_exact():
+    """The arena writes K/V as 8-byte elements (``flow_step._wide``): the same bytes as the
+    element-wise copy, for bf16 and float32 strided K views; layouts it cannot view stay as they are."""
+    from cosybatch.codec.flow_step import _wide
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        qkv = torch.randn(10, 3, 4, 64, generator=g).to(dtype)
+        k = qkv[:, 1]  # the strided view block_pre returns
+        arena, want = torch.zeros(30, 4, 64, dtype=dtype), torch.zeros(30, 4, 64, dtype=dtype)
+        idx = torch.randperm(30, generator=g)[:10]
+        assert _wide(k).dtype == torch.int64
+        _wide(arena).index_copy_(0, idx, _wide(k))
+        want.index_copy_(0, idx, k)
+        assert torch.equal(arena, want)
+    odd = torch.randn(5, 2, 6).to(torch.bfloat16)[..., 1:]  # 5 elements, unaligned
+    assert _wide(odd) is odd

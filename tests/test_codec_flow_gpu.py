@@ -9,6 +9,7 @@ measured on the H200: 4.1e-3 and 2.4e-2; varlen vs SDPA 1.1e-3; reuse vs recompu
 fp32 on the GPU (TF32 off) must match the reference to 2e-4.
 """
 
+import copy
 import os
 
 import pytest
@@ -200,7 +201,51 @@ def test_triton_rotary_equals_the_eager_ops_and_keeps_the_flow(setup):
     flow, rows = setup
     for graphs in (False, True):
         base = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs)
-        fused = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_rotary=True)
+        fused = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True, conv_form="channels_last")
         worst = max(_rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
         print(f"bf16 flow, graphs={graphs}: Triton rotary vs eager rotary worst rel RMS {worst:.2e}")
         assert worst == 0.0, worst
+
+
+def test_triton_position_convs_match_cudnn_and_keep_the_flow(setup):
+    """The Triton position conv (conv + bias + Mish + mask or residual, one kernel) against
+    cuDNN's channels-last form on packed layouts with rows apart, in float32 (IEEE products:
+    to 1e-5) and bf16 (it sums the taps in another order, so an output may round one bf16 step
+    the other way: at most 1 % of outputs differ, by at most 2 bf16 steps of the largest
+    output); then whole flows with the Triton convs against the cuDNN form: float32 within the
+    reference tolerance, bf16 within the graphed-vs-eager bound (5e-3 relative RMS)."""
+    if DEVICE != "cuda":
+        pytest.skip("Triton needs CUDA")
+    from cosybatch.codec.dit_step import ConvPositionEmbed
+
+    flow, rows = setup
+    dit = flow.decoder.estimator
+    k, dim = dit.cfg.conv_pos_kernel, dit.cfg.dim
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        d = copy.deepcopy(dit).to(dtype)
+        cudnn, fused = ConvPositionEmbed(d, "channels_last"), ConvPositionEmbed(d, "triton")
+        for lens in ((1,), (40, 25), (300, 7, 129, 1000)):
+            parts, valid = [], []
+            for n in lens:
+                parts += [torch.zeros(k - 1, dim, device="cuda"), torch.randn(n, dim, device="cuda", generator=g)]
+                valid += [torch.zeros(k - 1, device="cuda"), torch.ones(n, device="cuda")]
+            h, v = torch.cat(parts).to(dtype), torch.cat(valid).to(dtype)
+            want, got = cudnn(h, v).float(), fused(h, v).float()
+            diff = (got - want).abs()
+            step = want.abs().max().item() * 2 ** -7  # one bf16 step at the largest output
+            frac = (diff > 0).float().mean().item()
+            print(f"conv {dtype} rows {lens}: max |diff| {diff.max().item():.2e}, outputs differing {frac:.2%}")
+            if dtype == torch.float32:
+                assert diff.max().item() <= 1e-5
+            else:
+                assert frac <= 0.01 and diff.max().item() <= 2 * step, (frac, diff.max().item(), step)
+    ref = FlowRunner(flow, attention="sdpa", triton_kernels=True)  # float32, Triton convs
+    for job, out, want in _run_all(ref, rows, flow):
+        assert (out - want).abs().max().item() <= FP32_TOL
+    for graphs in (False, True):
+        base = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True, conv_form="channels_last")
+        fused = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True)
+        worst = max(_rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
+        print(f"bf16 flow, graphs={graphs}: Triton convs vs cuDNN convs worst rel RMS {worst:.2e}")
+        assert worst <= 5e-3, worst

@@ -113,6 +113,19 @@ def test_source_from_frame_zero_is_bit_exact(hift):
     assert torch.equal(got, ref)
 
 
+def test_f0_predictor_as_gemms_equals_its_convolutions(hift):
+    """``F0Gemm`` (what CUDA runs) against the predictor module, in float64: the same sums in
+    another order, so equal to a few float64 ulps."""
+    from cosybatch.codec.f0_gemm import F0Gemm
+
+    for frames, rows in ((1, 1), (57, 3), (300, 2)):
+        mel = torch.cat([random_mel(frames, seed) for seed in range(rows)])
+        want = hift.f0_predictor(mel, finalize=True)
+        got = F0Gemm(hift.f0_predictor)(mel)
+        assert got.dtype == torch.float64 and got.shape == want.shape
+        assert (got - want).abs().max().item() <= 1e-12 * max(1.0, want.abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def long_stream(hift):
     """A stream much longer than the receptive field, hops not aligned to anything."""
@@ -136,11 +149,12 @@ def test_left_context_is_sufficient_and_needed(hift, long_stream):
     assert stream_max_diff(HiftRunner(hift, context_frames=dec_ctx // 2), *long_stream) > 1e-3
 
 
-@pytest.mark.parametrize("hops", [None, [50, 60, 7], [8, 1, 40, 3, 30], [9, 90]])
-def test_bounded_stream_equals_official_rerun(hift, long_stream, hops):
+@pytest.mark.parametrize("hops,f0_gemm", [(None, False), (None, True), ([50, 60, 7], False), ([8, 1, 40, 3, 30], True),
+                                          ([9, 90], False)])
+def test_bounded_stream_equals_official_rerun(hift, long_stream, hops, f0_gemm):
     mel, hops, ref = long_stream if hops is None else (random_mel(sum(hops), sum(hops)), hops, None)
     ref = ref or official_chunks(hift, mel, hops)
-    runner = HiftRunner(hift)
+    runner = HiftRunner(hift, f0_gemm=f0_gemm)
     f0_ctx, dec_ctx = left_context(hift)
     bound = f0_ctx + dec_ctx + hift.f0_predictor.look_ahead + hift.cfg.conv_pre_look_right + 1
     pos = 0
@@ -318,8 +332,9 @@ def test_bounded_stream_on_cuda_equals_official(size):
 @pytest.mark.gpu
 def test_fused_snake_on_cuda_equals_eager():
     """The Triton Snake + pad kernel against the eager ops, alone (odd lengths, every pad of the
-    resblocks, a channel count not a power of two) and inside whole batched HiFT calls (full
-    size, TF32 convs as the pipeline runs them, eager and graphed): bit for bit."""
+    resblocks, a channel count not a power of two, with a conv's bias), the bias + residual
+    kernel, one fused resblock step, and whole batched HiFT calls (full size, TF32 convs as the
+    pipeline runs them, eager and graphed): bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     from cosybatch.codec.snake import SnakePad
@@ -343,6 +358,20 @@ def test_fused_snake_on_cuda_equals_eager():
     x = torch.randn(2, 48, 777, device="cuda")
     sn = odd.resblocks[0].activations1[0]
     assert torch.equal(SnakePad(odd, "triton")(x, sn, 5), SnakePad(odd, "torch")(x, sn, 5))
+    # conv1's deferred bias inside the Snake kernel, conv2's with the residual add, one whole
+    # resblock step against the module's own ops (cuDNN adds a conv's bias as a separate op)
+    bias = torch.randn(256, device="cuda")
+    x = 3 * torch.randn(2, 256, 1023, device="cuda")
+    assert torch.equal(fused(x, snake, 10, bias), eager(x, snake, 10, bias))
+    from cosybatch.codec import triton_kernels
+
+    y = torch.randn_like(x)
+    assert torch.equal(triton_kernels.bias_residual(y, bias, x), (y + bias[None, :, None]) + x)
+    blk = model.resblocks[4]
+    c1, c2, a1, a2 = blk.convs1[1], blk.convs2[1], blk.activations1[1], blk.activations2[1]
+    x = torch.randn(2, c1.in_channels, 777, device="cuda")
+    with torch.inference_mode():
+        assert torch.equal(fused.pair(x, c1, a1, c2, a2), c2(a2(c1(a1(x)))) + x)
     mels = [(random_mel(n, n, scale=1.0) - 5).cuda() for n in (80, 130, 200)]
     for graphs in (False, dict(capture_after=1)):
         on, off = HiftRunner(model, graphs=graphs, fused_snake=True), HiftRunner(model, graphs=graphs)

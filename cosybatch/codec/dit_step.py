@@ -101,31 +101,49 @@ class ConvPositionEmbed:
 
     Rows are separated by at least ``kernel - 1`` zero frames (``valid`` = 0) and the first
     conv's output is re-zeroed there, so each row sees exactly the official zero padding.
-    ``channels_last``: the time-major activations already are a channels-last [1, D, 1, L]
-    image, the layout cuDNN's grouped-conv kernels prefer, so no transposes are needed and the
-    causal alignment comes from symmetric implicit padding with the right overhang dropped.
-    Otherwise the module's own [1, D, L] form (faster on CPUs). Eager, cuDNN runs these
-    16-group convs as one small kernel per group (~1 ms whatever the length); inside the
-    flow's CUDA graphs that launch cost is gone, and a form that unfolds the 31-frame windows
-    into one batched GEMM per conv made graphed steps of 4 or more rows slower on the H200
-    (docs/performance.md), so it was not kept.
+    ``form``:
+
+    - ``"triton"`` (CUDA): each conv, its bias, Mish and the mask or the residual add as one
+      Triton kernel (``triton_kernels.causal_conv_mish``). cuDNN runs these 16-group convs as
+      one kernel per group, each too small to fill the GPU: 1.13 ms of a 6.9 ms graphed step
+      at 3,456 tokens on the H200 (docs/performance.md).
+    - ``"channels_last"`` (CUDA without Triton): the time-major activations already are a
+      channels-last [1, D, 1, L] image, the layout cuDNN's grouped-conv kernels prefer, so no
+      transposes are needed; the causal alignment comes from symmetric implicit padding with
+      the right overhang dropped. (A form that unfolds the 31-frame windows into one batched
+      GEMM per conv was slower than this inside graphs: the unfolded windows' memory traffic.)
+    - ``"conv1d"``: the module's own [1, D, L] form (faster on CPUs).
     """
 
-    def __init__(self, dit: DiT, channels_last: bool):
+    FORMS = ("triton", "channels_last", "conv1d")
+
+    def __init__(self, dit: DiT, form: str):
+        if form not in self.FORMS:
+            raise ValueError(f"conv form must be one of {self.FORMS}, got {form!r}")
         pe = dit.input_embed.conv_pos_embed
         self.k = pe.kernel
-        self.channels_last = channels_last
+        self.form = form
         self.convs = []
+        if form == "triton":
+            from cosybatch.codec import triton_kernels
+
+            self._kernel = triton_kernels.causal_conv_mish
         for seq in (pe.conv1, pe.conv2):
             c = seq[0]
             w = c.weight.detach()
-            if channels_last:
+            if form == "triton":
+                w = triton_kernels.conv_weight(w, c.groups)
+            elif form == "channels_last":
                 w = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
             self.convs.append((w, c.bias.detach(), c.groups))
 
     def __call__(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
-        if self.channels_last:
+        if self.form == "triton":
+            (w1, b1, _), (w2, b2, _) = self.convs
+            h = h.contiguous()
+            return self._kernel(self._kernel(h, w1, b1, valid=valid), w2, b2, residual=h)
+        if self.form == "channels_last":
             y = h.t()[None, :, None, :]  # [1, D, 1, L] view, channels-last strides
             for i, (w, b, groups) in enumerate(self.convs):
                 y = F.mish(F.conv2d(y, w, b, padding=(0, self.k - 1), groups=groups)[..., :n])

@@ -89,14 +89,17 @@ class FlowRunner:
         graphs: bool = False,
         graph_capacity: int = 256,
         capture: Capture | None = None,
-        conv_channels_last: bool | None = None,
-        triton_rotary: bool = False,
+        conv_form: str | None = None,
+        triton_kernels: bool = False,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
         ``graphs``: replay captured Euler steps per layout bucket (CUDA with a varlen attention
-        backend; ``capture`` injects the mechanism for tests). ``triton_rotary``: the head-0
-        rotary as one Triton kernel per layer (CUDA), not five."""
+        backend; ``capture`` injects the mechanism for tests). ``triton_kernels`` (CUDA): the
+        head-0 rotary as one Triton kernel per layer, not five, and the position convs as
+        Triton kernels (``conv_form``, one of ``ConvPositionEmbed.FORMS``; by default
+        ``"triton"`` with ``triton_kernels``, else cuDNN's ``"channels_last"`` on CUDA and
+        ``"conv1d"`` elsewhere)."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -114,17 +117,18 @@ class FlowRunner:
         self.cache = PrefixCache(self.n_steps, dit_cfg.depth, self.heads, self.inner, self.dtype, self.device,
                                  prefix_budget_bytes)
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
-        if conv_channels_last is None:
-            conv_channels_last = self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
+        if conv_form is None:
+            conv_form = ("triton" if triton_kernels else "channels_last") if cuda else "conv1d"
         pre, post = block_pre, block_post
-        if triton_rotary:
+        if triton_kernels:
             from cosybatch.codec import triton_kernels
 
             pre = functools.partial(block_pre, rotary_=triton_kernels.rotary_qk_)
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
             post = torch.compile(block_post, dynamic=True)
-        self.tables = self._tables(ConvPositionEmbed(self.dit, conv_channels_last), pre, post)
+        self.tables = self._tables(ConvPositionEmbed(self.dit, conv_form), pre, post)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
@@ -142,7 +146,7 @@ class FlowRunner:
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
                    chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
-                   graph_capacity=cfg.flow_graph_capacity, triton_rotary=cfg.triton_kernels)
+                   graph_capacity=cfg.flow_graph_capacity, triton_kernels=cfg.triton_kernels)
 
     # ------------------------------------------------------------------ setup
 

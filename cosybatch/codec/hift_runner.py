@@ -30,6 +30,7 @@ after that, F0 through the waveform (``vocode``), is one function of them, which
 from __future__ import annotations
 
 import copy
+import functools
 
 import math
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from cosybatch.graph_cache import GraphCache
 from cosybatch.codec.istft import CachedISTFT
+from cosybatch.codec.f0_gemm import F0Gemm
 from cosybatch.codec.snake import SnakePad
 from cosybatch.hostcopy import h2d
 from cosybatch.models import noise as noise_tables
@@ -134,13 +136,15 @@ class HiftRunner:
     window lengths up to a multiple (and batch sizes, see ``_batch_rows``) so graph shapes
     repeat; defaults to 32 frames when graphs are used, 1 otherwise. ``bounded=False``
     keeps the whole history (the official recompute, for comparison and for configs where
-    the phase shortcut does not apply).
+    the phase shortcut does not apply). ``f0_gemm``: the float64 F0 predictor as GEMMs
+    (``codec.f0_gemm``; by default on CUDA, where cuDNN's float64 convs are slow).
     """
 
     def __init__(self, hift: CausalHiFTGenerator, *, graphs: bool | dict = False,
                  max_batch: int = 64, max_batch_frames: int = 8192,
                  frame_bucket: int | None = None, bounded: bool = True,
-                 context_frames: int | None = None, fused_snake: bool = False) -> None:
+                 context_frames: int | None = None, fused_snake: bool = False,
+                 f0_gemm: bool | None = None) -> None:
         self.hift = hift
         self.cfg = hift.cfg
         self.spf = hift.samples_per_frame
@@ -163,6 +167,9 @@ class HiftRunner:
             self.graphs = GraphCache(self.vocode, **opts)
         # Snake + causal pad in one Triton kernel (cosybatch.codec.snake); None: the eager ops
         self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
+        if f0_gemm is None:
+            f0_gemm = self.device.type == "cuda"
+        self._f0 = F0Gemm(hift.f0_predictor) if f0_gemm else functools.partial(hift.f0_predictor, finalize=True)
         self._states: dict[Hashable, _State] = {}
         self._table: torch.Tensor | None = None
         self._rand_ini: torch.Tensor | None = None
@@ -375,7 +382,7 @@ class HiftRunner:
         first, valid, keep_at = ints
         # F0 (float64 inside the predictor) as if finalize: a streaming row's look-ahead
         # frames are real, its F0 values past its valid frames are simply not used.
-        f0 = self.hift.f0_predictor(mel, finalize=True).to(mel.dtype)
+        f0 = self._f0(mel).to(mel.dtype)
         rad = self.hift.m_source.frame_phase_increments(f0, rand_ini)
         cycles = continue_phase(rad, first, acc)
         source = self._source(f0, cycles, noise)

@@ -1,26 +1,44 @@
 """The codec's Triton kernels (imported only on CUDA): HiFT's Snake + causal pad
-(``cosybatch.codec.snake``) and the flow's head-0 rotary in place (``dit_step.block_pre``).
-Each evaluates its eager twin's float32 operations in the same order (multiply-adds only where
-the eager kernel has one), so that the GPU tests can hold them to the eager ops bit for bit."""
+(``cosybatch.codec.snake``), the flow's head-0 rotary in place (``dit_step.block_pre``) and its
+grouped causal position convs (``dit_step.ConvPositionEmbed``).
+
+The element-wise kernels evaluate their eager twins' float32 operations in the same order
+(multiply-adds only where the eager kernel has one), so that the GPU tests can hold them to the
+eager ops bit for bit. The conv sums its taps in another order than cuDNN (so its bf16 outputs
+can differ by a rounding step) but rounds where the eager ops round."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # the CUDA math library's sinf, as PyTorch's own sin kernel uses
+if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter (tests) has no libdevice
+    @triton.jit
+    def _sin(x):
+        return tl.sin(x)
+
+    @triton.jit
+    def _mish(y):
+        e = tl.exp(-2.0 * tl.log(1.0 + tl.exp(y)))
+        return y * (1.0 - e) / (1.0 + e)
+else:  # the CUDA math library's functions, as PyTorch's own kernels use
     from triton.language.extra import libdevice
 
     _sin = libdevice.sin
-except ImportError:  # older Triton
-    _sin = tl.sin
+
+    @triton.jit
+    def _mish(y):  # PyTorch's Mish: x * tanh(log1p(exp(x))) in float32
+        return y * libdevice.tanh(libdevice.log1p(libdevice.exp(y)))
 
 BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["T", "T_out", "pad"])  # one compiled kernel for every length
-def _snake_pad_kernel(x_ptr, alpha_ptr, inv_ptr, y_ptr, C, T, T_out, pad, BLOCK: tl.constexpr):
+def _snake_pad_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, C, T, T_out, pad, BLOCK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
     row = tl.program_id(0)  # b * C + c
     c = row % C
     a = tl.load(alpha_ptr + c)
@@ -29,22 +47,47 @@ def _snake_pad_kernel(x_ptr, alpha_ptr, inv_ptr, y_ptr, C, T, T_out, pad, BLOCK:
     src = cols - pad
     inside = (src >= 0) & (cols < T_out)
     x = tl.load(x_ptr + row.to(tl.int64) * T + src, mask=inside, other=0.0)
+    if HAS_BIAS:  # the bias of the conv that produced x, added as its own eager add would
+        x = x + tl.load(bias_ptr + c)
     s = _sin(x * a)
     y = tl.where(inside, x + inv * (s * s), 0.0)
     tl.store(y_ptr + row.to(tl.int64) * T_out + cols, y, mask=cols < T_out)
 
 
-def snake_pad(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int) -> torch.Tensor:
-    """x [B, C, T] float32 -> [B, C, pad + T]: zeros, then x + inv * sin(alpha * x)^2."""
+def snake_pad(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, C, T] float32 -> [B, C, pad + T]: zeros, then s + inv * sin(alpha * s)^2 with
+    s = x (+ bias [C], when given)."""
     x = x.contiguous()
     B, C, T = x.shape
     y = torch.empty(B, C, T + pad, device=x.device, dtype=x.dtype)
     if y.numel():
         grid = (B * C, triton.cdiv(T + pad, BLOCK))
         # no multiply-add contraction: the eager ops round after each multiply
-        _snake_pad_kernel[grid](x, alpha, inv, y, C, T, T + pad, pad, BLOCK=BLOCK, num_warps=4,
-                                enable_fp_fusion=False)
+        _snake_pad_kernel[grid](x, alpha, inv, alpha if bias is None else bias, y, C, T, T + pad, pad, BLOCK=BLOCK,
+                                HAS_BIAS=bias is not None, num_warps=4, enable_fp_fusion=False)
     return y
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bias_residual_kernel(y_ptr, bias_ptr, x_ptr, out_ptr, C, T, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # b * C + c
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < T
+    off = row.to(tl.int64) * T + cols
+    y = tl.load(y_ptr + off, mask=m, other=0.0) + tl.load(bias_ptr + row % C)  # rounded, as the eager bias add
+    tl.store(out_ptr + off, y + tl.load(x_ptr + off, mask=m, other=0.0), mask=m)
+
+
+def bias_residual(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(y + bias[None, :, None]) + x for y, x [B, C, T] float32: a conv's deferred bias and the
+    residual add after it, one pass instead of two."""
+    y, x = y.contiguous(), x.contiguous()
+    B, C, T = y.shape
+    out = torch.empty_like(y)
+    if out.numel():
+        _bias_residual_kernel[(B * C, triton.cdiv(T, BLOCK))](y, bias, x, out, C, T, BLOCK=BLOCK, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -73,3 +116,59 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     if n:
         _rotary_kernel[(n,)](qkv, cos, sin_signed, qkv.stride(0), inner, cos.stride(0), rot,
                              ROT=triton.next_power_of_2(rot), num_warps=1, enable_fp_fusion=False)
+
+
+@triton.jit(do_not_specialize=["L"])
+def _conv_mish_kernel(x_ptr, w_ptr, b_ptr, valid_ptr, res_ptr, y_ptr, L, D, K: tl.constexpr, CG: tl.constexpr,
+                      BLOCK_T: tl.constexpr, MASKED: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr):
+    g = tl.program_id(1)  # channel group: one [BLOCK_T, CG] x [CG, CG] product per tap
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.arange(0, CG)
+    col = g * CG + c
+    acc = tl.zeros((BLOCK_T, CG), dtype=tl.float32)
+    for k in range(K):
+        src = t - (K - 1) + k  # causal: frames before 0 are the conv's zero padding
+        inside = (src >= 0) & (src < L)
+        x = tl.load(x_ptr + src.to(tl.int64)[:, None] * D + col[None, :], mask=inside[:, None], other=0.0)
+        w = tl.load(w_ptr + ((g * K + k) * CG + c)[:, None] * CG + c[None, :])  # [in, out] of this tap
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    out_ty = y_ptr.dtype.element_ty
+    # Rounded where the eager ops round: the conv's output, the bias add, Mish, the mask / residual.
+    y = acc.to(out_ty).to(tl.float32) + tl.load(b_ptr + col).to(tl.float32)[None, :]
+    y = y.to(out_ty).to(tl.float32)
+    y = _mish(y).to(out_ty)
+    rows = t < L
+    if MASKED:
+        keep = tl.load(valid_ptr + t, mask=rows, other=0.0) != 0
+        y = tl.where(keep[:, None], y, 0.0).to(out_ty)
+    if RESIDUAL:
+        r = tl.load(res_ptr + t.to(tl.int64)[:, None] * D + col[None, :], mask=rows[:, None], other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ty)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + col[None, :], y, mask=rows[:, None])
+
+
+def conv_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """A grouped Conv1d weight [D, D / groups, K] as the kernel reads it: [groups, K, in, out]."""
+    d, cg, k = w.shape
+    return w.reshape(groups, d // groups, cg, k).permute(0, 3, 2, 1).contiguous()
+
+
+def causal_conv_mish(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, valid: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None, block_t: int = 64) -> torch.Tensor:
+    """Mish(causal grouped conv1d(x)) over time-major x [L, D], then zeroed where ``valid`` [L]
+    is 0, or plus ``residual`` [L, D]; ``w`` from ``conv_weight``. One kernel, where the eager
+    form is a pad, cuDNN's per-group kernels, the bias add, Mish and the mask or add."""
+    groups, k, cg, _ = w.shape
+    n, d = x.shape
+    if not x.is_contiguous() or d != groups * cg or (residual is not None and not residual.is_contiguous()):
+        raise ValueError("causal_conv_mish: unexpected layout")
+    y = torch.empty_like(x)
+    if n:
+        grid = (triton.cdiv(n, block_t), groups)
+        _conv_mish_kernel[grid](x, w, bias, x if valid is None else valid, x if residual is None else residual, y,
+                                n, d, K=k, CG=cg, BLOCK_T=block_t, MASKED=valid is not None,
+                                RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, num_warps=4)
+    return y

@@ -96,15 +96,13 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
     def forward(self, x: torch.Tensor, snake_pad=None) -> torch.Tensor:
-        """``snake_pad(x, snake, pad)``, when given, returns ``F.pad(snake(x), (pad, 0))`` in one
-        pass (a fused kernel): each Snake here feeds a left-causal conv, so its output can be
-        written straight into the conv's padded input."""
+        """``snake_pad.pair(x, conv1, snake1, conv2, snake2)``, when given, returns one step
+        ``conv2(snake2(conv1(snake1(x)))) + x`` in fused kernels (``cosybatch.codec.snake``)."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
             if snake_pad is None:
                 x = c2(a2(c1(a1(x)))) + x
             else:
-                y = c1.forward_padded(snake_pad(x, a1, c1.causal_padding))
-                x = c2.forward_padded(snake_pad(y, a2, c2.causal_padding)) + x
+                x = snake_pad.pair(x, c1, a1, c2, a2)
         return x
 
 

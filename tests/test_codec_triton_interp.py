@@ -1,0 +1,76 @@
+"""The codec's Triton kernels run by Triton's CPU interpreter, against their eager twins.
+
+Only where ``triton`` is importable and no GPU is present (tests/test_codec_flow_gpu.py and
+tests/test_codec_hift.py run the compiled kernels on the GPU, bf16 included). The interpreter
+evaluates in float32 with NumPy's math (no CUDA math library), so the bounds here are float32
+reordering bounds, not the GPU tests' bit-equality.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+if torch.cuda.is_available():
+    pytest.skip("GPU present: the GPU tests run the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
+pytest.importorskip("triton")
+
+from cosybatch.codec import triton_kernels as K  # noqa: E402
+from cosybatch.codec.dit_step import ConvPositionEmbed, rotary_qk_, rotary_tables  # noqa: E402
+from cosybatch.config import DiTConfig  # noqa: E402
+from cosybatch.models.dit import DiT  # noqa: E402
+
+
+def test_position_conv_kernel_matches_the_module_on_packed_rows():
+    torch.manual_seed(0)
+    dit = DiT(DiTConfig(dim=64, depth=1, heads=2, dim_head=32, conv_pos_kernel=7, conv_pos_groups=4)).eval()
+    k, dim = 7, 64
+    a, b = torch.randn(20, dim), torch.randn(9, dim)
+    gap = torch.zeros(k - 1, dim)
+    packed = torch.cat((gap, a, gap, b))
+    valid = torch.cat((torch.zeros(k - 1), torch.ones(20), torch.zeros(k - 1), torch.ones(9)))
+    with torch.no_grad():
+        want = ConvPositionEmbed(dit, "conv1d")(packed, valid)
+        got = ConvPositionEmbed(dit, "triton")(packed, valid)
+        alone = [dit.input_embed.conv_pos_embed(x[None])[0] + x for x in (a, b)]
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (got[k - 1 : k - 1 + 20] - alone[0]).abs().max().item() <= 1e-5  # rows stay apart
+    assert (got[2 * (k - 1) + 20 :] - alone[1]).abs().max().item() <= 1e-5
+
+
+def test_position_conv_kernel_masks_and_adds():
+    g = torch.Generator().manual_seed(1)
+    x, w, bias = torch.randn(45, 32, generator=g), torch.randn(32, 16, 5, generator=g) / 9, torch.randn(32, generator=g)
+    valid = (torch.rand(45, generator=g) > 0.3).float()
+    conv = F.mish(F.conv1d(F.pad(x.t()[None], (4, 0)), w, bias, groups=2))[0].t()
+    wt = K.conv_weight(w, 2)
+    for block in (16, 64):  # a tail block, and one block past the end
+        assert (K.causal_conv_mish(x, wt, bias, valid=valid, block_t=block) - conv * valid[:, None]).abs().max() <= 1e-5
+        assert (K.causal_conv_mish(x, wt, bias, residual=x, block_t=block) - (conv + x)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="layout"):
+        K.causal_conv_mish(x.t(), wt, bias)
+
+
+def test_snake_bias_residual_and_rotary_kernels_match_their_eager_twins():
+    g = torch.Generator().manual_seed(2)
+    x, alpha = torch.randn(2, 3, 50, generator=g), torch.rand(3, generator=g) + 0.5
+    inv = 1.0 / (alpha + 1e-9)
+    want = F.pad(x + inv[None, :, None] * torch.sin(x * alpha[None, :, None]).pow(2), (6, 0))
+    assert (K.snake_pad(x, alpha, inv, 6) - want).abs().max() <= 1e-6
+    bias = torch.randn(3, generator=g)
+    xb = x + bias[None, :, None]
+    want = F.pad(xb + inv[None, :, None] * torch.sin(xb * alpha[None, :, None]).pow(2), (2, 0))
+    assert (K.snake_pad(x, alpha, inv, 2, bias) - want).abs().max() <= 1e-6
+    y = torch.randn_like(x)
+    assert (K.bias_residual(y, bias, x) - ((y + bias[None, :, None]) + x)).abs().max() <= 1e-6
+    qkv = torch.randn(9, 3, 48, generator=g)
+    freqs = torch.arange(9.0)[:, None] * torch.rand(8, generator=g).repeat_interleave(2)
+    cos, sin = rotary_tables(freqs)
+    a, b = qkv.clone(), qkv.clone()
+    rotary_qk_(a, cos, sin)
+    K.rotary_qk_(b, cos, sin)
+    assert (a - b).abs().max() <= 1e-6 and torch.equal(b[:, 2], qkv[:, 2])
