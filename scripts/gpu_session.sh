@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm c64 c64seed full synth devices quick
+# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm c64 c64cf c64seed full synth devices quick
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
@@ -86,6 +86,7 @@ for step in "$@"; do
           --force-length --result-dir "$OUT/base" ) > "$OUT/profile-base.txt" 2>&1
       echo "rc=$?" >> "$OUT/profile-base.txt"; tail -30 "$OUT/profile-base.txt" ;;
     c64) setup; prof c64 packed_streaming_c64 64 1088 64 ;;
+    c64cf) setup; prof c64cf packed_streaming_c64_chunk_final 64 1088 64 ;;
     full) setup; prof full256 default 256 1088 64 ;;
     synth) setup; log "synth default --force-length 1088 rows"
       rm -rf /tmp/synth-out

@@ -218,11 +218,14 @@ def test_triton_position_convs_match_cudnn_and_keep_the_flow(setup):
         pytest.skip("Triton needs CUDA")
     from cosybatch.codec.dit_step import ConvPositionEmbed
 
+    from cosybatch.models.dit import DiT
+
     flow, rows = setup
-    dit = flow.decoder.estimator
-    k, dim = dit.cfg.conv_pos_kernel, dit.cfg.dim
     g = torch.Generator(device="cuda").manual_seed(5)
-    for dtype in (torch.float32, torch.bfloat16):
+    full_width = DiT(DiTConfig(dim=1024, depth=1, heads=16, dim_head=64)).eval().cuda()  # 64 channels per group
+    for dit, dtype in ((flow.decoder.estimator, torch.float32), (flow.decoder.estimator, torch.bfloat16),
+                       (full_width, torch.float32), (full_width, torch.bfloat16)):
+        k, dim = dit.cfg.conv_pos_kernel, dit.cfg.dim
         d = copy.deepcopy(dit).to(dtype)
         cudnn, fused = ConvPositionEmbed(d, "channels_last"), ConvPositionEmbed(d, "triton")
         for lens in ((1,), (40, 25), (300, 7, 129, 1000)):
@@ -235,7 +238,7 @@ def test_triton_position_convs_match_cudnn_and_keep_the_flow(setup):
             diff = (got - want).abs()
             step = want.abs().max().item() * 2 ** -7  # one bf16 step at the largest output
             frac = (diff > 0).float().mean().item()
-            print(f"conv {dtype} rows {lens}: max |diff| {diff.max().item():.2e}, outputs differing {frac:.2%}")
+            print(f"conv dim {dim} {dtype} rows {lens}: max |diff| {diff.max().item():.2e}, outputs differing {frac:.2%}")
             if dtype == torch.float32:
                 assert diff.max().item() <= 1e-5
             else:
