@@ -79,8 +79,9 @@ class Optimizations:
     hift_graph_capture_after: int = 3
     # [requests per batch, window frames] pairs captured at start-up, before the first request
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    # The codec's fused Triton kernels on CUDA: HiFT's Snake + causal pad, the flow's head-0
-    # rotary (each checked against its eager ops on the GPU; no effect on CPUs or without Triton)
+    # The codec's fused Triton kernels on CUDA: HiFT's Snake + causal pad with the conv biases
+    # and residual adds, the flow's head-0 rotary and position convs (each checked against its
+    # eager ops on the GPU; no effect on CPUs or without Triton)
     triton_kernels: bool = True
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
