@@ -87,7 +87,8 @@ class FastPipeline:
             log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(codec_cfg.hift_graph_precapture))
         self.acct = Accounting(device)
         sl = settings.slices
-        limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms,
+        limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms, budget_max_ms=sl.budget_max_ms,
+                               ar_capacity=settings.engine.max_num_seqs,
                                max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
                                first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
@@ -187,7 +188,7 @@ class FastPipeline:
         # An AR step is queued (launched now, or run ahead by the last collect): the codec's
         # slices then share the iteration with it and keep to the budget.
         ar = self.engine.in_flight
-        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline)
+        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows)
         self._bound_queue()
         if self.engine.in_flight:
             self._collect_ar()

@@ -343,10 +343,11 @@ def test_slice_settings_reach_the_timeline_limits():
     from cosybatch.profiles.resolve import resolve
 
     p = load_profile("packed_streaming", ["codec.first_wait_ms=120", "codec.max_wait_ms=400",
-                                          "codec.solve_tokens=9000", "codec.budget_ms=7.5"])
+                                          "codec.solve_tokens=9000", "codec.budget_ms=7.5", "codec.budget_max_ms=20"])
     s = resolve(p, ModelConfig(), torch.device("cpu")).slices
-    assert (s.budget_ms, s.solve_tokens, s.first_wait_s, s.max_wait_s) == (7.5, 9000, 0.12, 0.4)
-    assert resolve(load_profile("packed_streaming"), ModelConfig(), torch.device("cpu")).slices.solve_tokens is None
+    assert (s.budget_ms, s.budget_max_ms, s.solve_tokens, s.first_wait_s, s.max_wait_s) == (7.5, 20.0, 9000, 0.12, 0.4)
+    default = resolve(load_profile("packed_streaming"), ModelConfig(), torch.device("cpu")).slices
+    assert default.solve_tokens is None and default.budget_max_ms is None
     assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
         "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"
 

@@ -3,7 +3,8 @@
 import math
 
 from cosybatch.timeline.costs import CostModel
-from cosybatch.timeline.policy import INF, Costs, Hop, Limits, Mel, Solve, pick_jobs, plan, worth_starting
+from cosybatch.timeline.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, pick_jobs, plan,
+                                       worth_starting)
 
 COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
 # solve_tokens=0: every ready hop is worth a solve at once (the waiting rule has its own test)
@@ -199,3 +200,17 @@ def test_accounting_splits_iterations_into_own_work_and_waits():
     assert acct.wait_ms[0] < 1 and 20 <= acct.wait_ms[1] < 40
     assert 0.4 < s["host_wait_share"] < 0.9
     assert 4 <= s["host_busy_ms_per_iteration"]["p50"] < 15
+
+
+def test_budget_grows_while_few_rows_decode_when_asked():
+    """``budget_max_ms``: an AR step serving a quarter of its capacity leaves the codec four
+    times the budget, never more than the cap and never less than the base; off by default."""
+    grow = Limits(streaming=True, budget_ms=4.0, max_jobs=8, max_hift=8, solve_tokens=0, budget_max_ms=12.0,
+                  ar_capacity=32)
+    assert [iteration_budget(grow, n) for n in (32, 64, 16, 8, 1)] == [4.0, 4.0, 8.0, 12.0, 12.0]
+    assert iteration_budget(grow, 0) == 4.0  # unknown row count: the base budget
+    assert iteration_budget(STREAM, 1) == 4.0  # off: the budget is fixed
+    solve = Solve(tokens=1000, steps_left=10, deadline=INF)  # 1 ms per step
+    assert plan(0.0, grow, COSTS, True, solve, [], [], ar_rows=32).flow_steps == 4
+    assert plan(0.0, grow, COSTS, True, solve, [], [], ar_rows=16).flow_steps == 8
+    assert plan(0.0, STREAM, COSTS, True, solve, [], [], ar_rows=16).flow_steps == 4

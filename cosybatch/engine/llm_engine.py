@@ -163,6 +163,11 @@ class LLMEngine:
                     "most %d prompt tokens per prefill", len(seqs), tokens, self.scheduler.max_prefill_tokens)
 
     @property
+    def decoding_rows(self) -> int:
+        """Sequences admitted to the decode batch (what one AR step serves)."""
+        return len(self.scheduler.running)
+
+    @property
     def in_flight(self) -> bool:
         return self._inflight is not None
 

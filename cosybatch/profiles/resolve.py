@@ -29,6 +29,7 @@ class SliceSettings:
     """How the GPU timeline sizes codec work (design.md D15; ``timeline.policy.Limits``)."""
 
     budget_ms: float  # codec GPU time between two AR steps
+    budget_max_ms: float | None  # the most it grows to while few rows decode; None: fixed
     solve_tokens: int | None  # a flow solve worth starting; None: from the learned costs
     first_wait_s: float  # a row's first hop waits at most this long for a bigger solve
     max_wait_s: float  # any hop, at most this long
@@ -107,4 +108,4 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
                        frontend_workers=c.frontend_workers, profile=profile.name,
-                       slices=SliceSettings(c.budget_ms, c.solve_tokens, c.first_wait_ms / 1e3, c.max_wait_ms / 1e3))
+                       slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3, c.max_wait_ms / 1e3))

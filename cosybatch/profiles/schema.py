@@ -50,6 +50,10 @@ class CodecProfile:
     # GPU milliseconds of codec work queued between two AR steps: bounds the time between a
     # row's tokens; an imminent playback deadline may overrun it (design.md D15).
     budget_ms: float = 6.0
+    # Experimental (not measured yet; null = off): with fewer rows decoding than the AR
+    # admission, the budget grows in proportion (an AR step costs about the same for one row as
+    # for a full batch), up to this many milliseconds. See ``timeline.policy.iteration_budget``.
+    budget_max_ms: float | None = None
     # When a flow solve starts (a Euler step costs a fixed few hundred kernels whatever its
     # size, so tiny solves waste the GPU): once the ready hops make ``solve_tokens``
     # transformer tokens (null: where the learned fixed cost is a quarter of a step), or a
@@ -261,6 +265,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
+    "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
     "codec.first_wait_ms": (lambda v: v >= 0, "must be >= 0"),
     "codec.max_wait_ms": (lambda v: v >= 0, "must be >= 0"),

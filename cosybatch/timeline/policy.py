@@ -90,6 +90,8 @@ class Limits:
     solve_tokens: float | None = None  # the solve size worth waiting for; None: from the costs
     first_wait_s: float = 0.05  # a first hop waits at most this long for a bigger solve
     max_wait_s: float = 0.25  # any hop, at most this long
+    budget_max_ms: float | None = None  # see iteration_budget; None: the budget is fixed
+    ar_capacity: int = 1  # rows an AR step can serve (the AR admission)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,19 @@ class SlicePlan:
     flow_steps: int = 0  # Euler steps of the active solve to queue
     start: tuple[str, ...] = ()  # segments whose hops start a new solve (after the active one finishes)
     start_steps: int = 0  # Euler steps of the new solve to queue right away
+
+
+def iteration_budget(lim: Limits, ar_rows: int) -> float:
+    """Codec GPU milliseconds between two AR steps that serve ``ar_rows`` rows.
+
+    An AR step costs about as much for one row as for a full batch, so its GPU time per token
+    grows as rows leave it; while few rows decode (the rest wait for the codec), the codec gets
+    proportionally more time per step: ``budget_ms * ar_capacity / ar_rows``, between
+    ``budget_ms`` and ``budget_max_ms``. Fixed at ``budget_ms`` when ``budget_max_ms`` is None
+    or the row count is unknown (0)."""
+    if lim.budget_max_ms is None or ar_rows <= 0:
+        return lim.budget_ms
+    return min(max(lim.budget_max_ms, lim.budget_ms), lim.budget_ms * max(1.0, lim.ar_capacity / ar_rows))
 
 
 def _key(lim: Limits, now: float):
@@ -152,9 +167,10 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
 
 
 def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,
-         hops: list[Hop], mels: list[Mel]) -> SlicePlan:
-    """The codec slices of one iteration, in the order to queue them."""
-    budget = lim.budget_ms if ar_active else INF
+         hops: list[Hop], mels: list[Mel], ar_rows: int = 0) -> SlicePlan:
+    """The codec slices of one iteration, in the order to queue them (``ar_rows``: rows the
+    AR step in flight serves, for ``iteration_budget``)."""
+    budget = iteration_budget(lim, ar_rows) if ar_active else INF
     urgent = lambda d: d - now <= lim.urgent_s  # noqa: E731
     spent = 0.0
     # HiFT first when its output is what someone waits for (streaming: a first chunk, a
