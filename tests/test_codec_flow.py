@@ -419,3 +419,17 @@ def test_kv_writes_through_wide_views_are_exact():
         assert torch.equal(arena, want)
     odd = torch.randn(5, 2, 6).to(torch.bfloat16)[..., 1:]  # 5 elements, unaligned
     assert _wide(odd) is odd
+
+
+def test_triton_conv_form_only_where_its_tiles_fit():
+    """The Triton position conv needs >= 16 (a power of two) channels per group: the full model
+    has 64, the small generated checkpoints 2 and 8, which keep cuDNN's form on CUDA."""
+    from cosybatch.codec.dit_step import ConvPositionEmbed
+    from cosybatch.config import DiTConfig
+    from cosybatch.models.dit import DiT
+
+    fits = {dim: ConvPositionEmbed.triton_fits(DiT(DiTConfig(dim=dim, depth=1, heads=2, dim_head=dim // 2)))
+            for dim in (32, 128, 512, 1024, 768)}
+    assert fits == {32: False, 128: False, 512: True, 1024: True, 768: False}
+    with pytest.raises(ValueError, match="channels per group"):
+        ConvPositionEmbed(DiT(DiTConfig(dim=32, depth=1, heads=2, dim_head=16)), "triton")

@@ -105,8 +105,9 @@ class ConvPositionEmbed:
 
     - ``"triton"`` (CUDA): each conv, its bias, Mish and the mask or the residual add as one
       Triton kernel (``triton_kernels.causal_conv_mish``). cuDNN runs these 16-group convs as
-      one kernel per group, each too small to fill the GPU: 1.13 ms of a 6.9 ms graphed step
-      at 3,456 tokens on the H200 (docs/performance.md).
+      one kernel per group, each too small to fill the GPU: 1.13 ms of the 6.9 ms of kernels
+      of a 3,456-token step on the H200, against 0.17 ms for the Triton pair; inside a graph
+      the step gained 0.18 ms (docs/performance.md).
     - ``"channels_last"`` (CUDA without Triton): the time-major activations already are a
       channels-last [1, D, 1, L] image, the layout cuDNN's grouped-conv kernels prefer, so no
       transposes are needed; the causal alignment comes from symmetric implicit padding with
@@ -117,9 +118,18 @@ class ConvPositionEmbed:
 
     FORMS = ("triton", "channels_last", "conv1d")
 
+    @staticmethod
+    def triton_fits(dit: DiT) -> bool:
+        """Whether the Triton form can run this DiT: its tensor-core tiles need a power of two
+        of at least 16 channels per group (the full model has 64; small test checkpoints less)."""
+        cg = dit.cfg.dim // dit.cfg.conv_pos_groups
+        return cg >= 16 and cg & (cg - 1) == 0
+
     def __init__(self, dit: DiT, form: str):
         if form not in self.FORMS:
             raise ValueError(f"conv form must be one of {self.FORMS}, got {form!r}")
+        if form == "triton" and not self.triton_fits(dit):
+            raise ValueError("the Triton conv form needs a power of two >= 16 channels per group")
         pe = dit.input_embed.conv_pos_embed
         self.k = pe.kernel
         self.form = form

@@ -19,7 +19,7 @@ class F0Gemm:
     """``predictor(mel, finalize=True)`` for mel [B, in, T] -> f0 [B, T] float64, time-major inside."""
 
     def __init__(self, predictor: CausalConvF0Predictor):
-        self.layers = []  # (weight [in * k, out], bias [out], kernel, pad left, pad right) or None for ELU
+        self.layers = []  # (weight [k * in, out], bias [out], kernel, (pad left, pad right)), or None: ELU
         for m in predictor.condnet:
             if isinstance(m, CausalConv1d):
                 if m.dilation[0] != 1:

@@ -98,8 +98,8 @@ class FlowRunner:
         backend; ``capture`` injects the mechanism for tests). ``triton_kernels`` (CUDA): the
         head-0 rotary as one Triton kernel per layer, not five, and the position convs as
         Triton kernels (``conv_form``, one of ``ConvPositionEmbed.FORMS``; by default
-        ``"triton"`` with ``triton_kernels``, else cuDNN's ``"channels_last"`` on CUDA and
-        ``"conv1d"`` elsewhere)."""
+        ``"triton"`` with ``triton_kernels`` where the DiT's width allows it, else cuDNN's
+        ``"channels_last"`` on CUDA and ``"conv1d"`` elsewhere)."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -119,7 +119,8 @@ class FlowRunner:
         self.noise = flow.decoder.rand_noise[0].t().to(self.device)  # [noise_len, mel], fp32
         cuda = self.device.type == "cuda"
         if conv_form is None:
-            conv_form = ("triton" if triton_kernels else "channels_last") if cuda else "conv1d"
+            triton_conv = triton_kernels and ConvPositionEmbed.triton_fits(self.dit)
+            conv_form = ("triton" if triton_conv else "channels_last") if cuda else "conv1d"
         pre, post = block_pre, block_post
         if triton_kernels:
             from cosybatch.codec import triton_kernels

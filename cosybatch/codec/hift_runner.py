@@ -165,7 +165,8 @@ class HiftRunner:
             opts = dict(graphs) if isinstance(graphs, dict) else {}
             opts.setdefault("name", "hift")
             self.graphs = GraphCache(self.vocode, **opts)
-        # Snake + causal pad in one Triton kernel (cosybatch.codec.snake); None: the eager ops
+        # The resblocks' Snake + causal pad + conv biases + residual as Triton kernels
+        # (cosybatch.codec.snake); None: the eager ops
         self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
         if f0_gemm is None:
             f0_gemm = self.device.type == "cuda"

@@ -1,6 +1,7 @@
-"""The codec's Triton kernels (imported only on CUDA): HiFT's Snake + causal pad
-(``cosybatch.codec.snake``), the flow's head-0 rotary in place (``dit_step.block_pre``) and its
-grouped causal position convs (``dit_step.ConvPositionEmbed``).
+"""The codec's Triton kernels (imported only on CUDA): HiFT's Snake + causal pad (with the
+bias of the conv before it) and its conv bias + residual add (``cosybatch.codec.snake``), the
+flow's head-0 rotary in place (``dit_step.block_pre``) and its grouped causal position convs
+(``dit_step.ConvPositionEmbed``).
 
 The element-wise kernels evaluate their eager twins' float32 operations in the same order
 (multiply-adds only where the eager kernel has one), so that the GPU tests can hold them to the
