@@ -27,7 +27,9 @@ class CodecConfig:
     hift_graph_counters: int = 128
     hift_graph_capture_after: int = 3
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    triton_kernels: bool = False  # HiFT's Snake + pad and the flow's rotary as Triton kernels (CUDA)
+    # The codec's Triton kernels (CUDA): HiFT's resblock Snake + pad + conv biases + residual,
+    # the flow's rotary and position convs (profile key optimizations.triton_kernels)
+    triton_kernels: bool = False
 
     def hift_graph_options(self) -> dict | None:
         """``HiftRunner(graphs=...)``: None for eager decode."""
