@@ -133,6 +133,7 @@ class Frontend:
         bucket_s: float = 0.5,
         fbank: str = "cpu",
         warmup: bool = True,
+        split_tf32: bool = False,
     ):
         self.model_dir = Path(model_dir)
         self.cfg = cfg
@@ -140,7 +141,8 @@ class Frontend:
         if fbank not in ("cpu", "device"):
             raise ValueError(f"fbank must be 'cpu' (reference arithmetic, in load) or 'device', got {fbank!r}")
         self._fbank_in_load = fbank == "cpu"
-        batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s}
+        batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s,
+                    "split_tf32": split_tf32}
         self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
                                                        onnx_threads, batch_kw)
         self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtFrontend" else "torch"
@@ -158,7 +160,8 @@ class Frontend:
     def _disk_namespace(self, dtype: torch.dtype) -> str:
         """Disk entries are only valid for these exact models, features and numerics."""
         h = hashlib.blake2b(digest_size=12)
-        precision = "reference" if self.backend == "onnxruntime" else f"torch-{dtype}-fbank-in-load-{self._fbank_in_load}"
+        precision = ("reference" if self.backend == "onnxruntime" else
+                     f"torch-{dtype}-split-tf32-{self._impl.split_tf32}-fbank-in-load-{self._fbank_in_load}")
         for part in (FORMAT, precision, repr(self.cfg.mel), self.cfg.sample_rate, self.cfg.flow.token_mel_ratio,
                      file_digest(self.model_dir / "speech_tokenizer_v3.onnx"), file_digest(self.model_dir / "campplus.onnx")):
             h.update(str(part).encode() + b"\0")

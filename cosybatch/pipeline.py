@@ -100,8 +100,9 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     apply_process_settings(settings.process)
     models = load_models(model_dir, device=str(device))
     # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
-    frontend = Frontend(model_dir, models.cfg, device=device, cache_size=4096, cache_bytes=2 << 30,
-                        disk_cache=prompt_cache)
+    f = settings.frontend
+    frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
+                        cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache)
     return FastPipeline(models, frontend, settings, device)
 
 

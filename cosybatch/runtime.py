@@ -1,12 +1,14 @@
 """Process-wide numeric settings, set in one place at start-up and logged (design.md D12).
 
-PyTorch keeps intra-op threads and TF32 switches per process. Components never touch them;
-the pipeline builders call :func:`apply_process_settings` once, before any model work.
+PyTorch keeps intra-op threads and TF32 switches per process. The pipeline builders call
+:func:`apply_process_settings` once, before any model work; a component whose precision is its
+own (the GPU frontend) scopes it with :func:`float32_math` and leaves the process's as it was.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,25 @@ def apply_process_settings(s: ProcessSettings) -> None:
         torch.backends.cuda.matmul.allow_tf32 = s.matmul_tf32
     if s.cudnn_tf32 is not None or s.matmul_tf32 is not None:
         log.info("float32 on CUDA: convolutions %s, matmuls %s", _tf32(s.cudnn_tf32), _tf32(s.matmul_tf32))
+
+
+@contextmanager
+def float32_math(conv_tf32: bool, matmul_tf32: bool):
+    """Run a block with its own float32 switches and restore the process's afterwards.
+
+    For a component whose numerics must not follow the process setting (the GPU frontend keeps
+    strict float32 convolutions while HiFT's profile turns TF32 on). The switches are
+    process-wide: only for code on the one thread that issues the GPU work. Kernels captured
+    into a CUDA graph inside the block keep its settings."""
+    import torch
+
+    cudnn, cublas = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = cudnn.allow_tf32, cublas.allow_tf32
+    cudnn.allow_tf32, cublas.allow_tf32 = conv_tf32, matmul_tf32
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, cublas.allow_tf32 = before
 
 
 def _tf32(flag: bool | None) -> str:

@@ -7,7 +7,10 @@ prompts of ``--seconds`` at 24 kHz, and measures prompts/s of the device part (w
 call, ``--ort-threads``) and for torch at each batch size and dtype, each figure with the share
 of token positions identical to onnxruntime's and the largest embedding difference. It also
 times the first prompt of a run (its waveform in hand -> PromptFeatures on the host) right
-after the frontend is built. fp32 runs with TF32 off (``--tf32`` adds a TF32 row).
+after the frontend is built. Precisions: fp32 (strict), 3xtf32 (float32 with the tokenizer's
+GEMMs as three TF32 products each, what the shipped profiles run) and bf16; the frontend keeps
+its own float32 switches whatever the process's are. ``--kernels N`` prints the N costliest CUDA
+kernels of one call at the largest batch for each precision.
 
   python scripts/bench_frontend.py                      # CUDA: full size; CPU: small size
   python scripts/bench_frontend.py --size small --device cpu --batches 1,16
@@ -32,9 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cosybatch.config import ModelConfig  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
-from cosybatch.runtime import ProcessSettings, apply_process_settings  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": (torch.float32, False), "3xtf32": (torch.float32, True), "bf16": (torch.bfloat16, False)}
 
 
 def _sync(device: str) -> None:
@@ -68,13 +70,25 @@ def bench_ort(model_dir, loaded, n_ref, threads, budget):
                  "prompts_per_s": done / dt, "ms_per_prompt": dt / done * 1e3, "agree": 1.0, "emb_diff": 0.0}
 
 
-def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, tf32=False):
-    apply_process_settings(ProcessSettings(cudnn_tf32=tf32, matmul_tf32=tf32))
+def kernel_table(fe, loaded, top: int) -> str:
+    """The ``top`` CUDA kernels of one ``raw_features(loaded)`` call by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fe.raw_features(loaded)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fe.raw_features(loaded)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+
+
+def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, kernels=0):
+    dtype, split_tf32 = PRECISIONS[dtype_name]
     t = time.perf_counter()
-    fe = Frontend(model_dir, ModelConfig(), backend="torch", device=device, dtype=DTYPES[dtype_name],
+    fe = Frontend(model_dir, ModelConfig(), backend="torch", device=device, dtype=dtype, split_tf32=split_tf32,
                   cache_size=0, max_batch=max(batches))
     build_s = time.perf_counter() - t
-    label = f"torch {device}" + (" tf32" if tf32 else "")
+    label = f"torch {device}"
     # the first prompt of a run: waveform in hand -> features on the host, right after start-up
     wav = torch.from_numpy(speech_like(5.0, 24000, 12345).astype(np.float32))
     _sync(device)
@@ -105,6 +119,9 @@ def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, tf3
                      "ms_per_prompt": dt / done * 1e3, "agree": agree, "emb_diff": emb, "peak_mib": peak})
         print(f"  {label} {dtype_name} batch {b:3d}: {done / dt:8.1f} prompts/s, agree {agree:.4%}, emb {emb:.1e}",
               flush=True)
+    if kernels and device == "cuda":
+        print(f"# kernels, {dtype_name}, one call of {max(batches)} prompts:\n"
+              + kernel_table(fe, loaded[: max(batches)], kernels), flush=True)
     del fe
     return rows, {"backend": label, "dtype": dtype_name, "first_prompt_ms": first_ms, "startup_s": build_s}
 
@@ -119,15 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-prompts", type=int, default=32, help="prompts compared with onnxruntime")
     ap.add_argument("--seconds", type=float, default=5.0, help="prompt length")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--tf32", action="store_true", help="also run fp32 with TF32 on")
+    ap.add_argument("--dtypes", default="fp32,3xtf32,bf16", help="precisions: " + ",".join(PRECISIONS))
+    ap.add_argument("--kernels", type=int, default=0, help="print the N costliest CUDA kernels per precision")
     ap.add_argument("--seconds-per-config", type=float, default=4.0)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     size = ("full" if device == "cuda" else "small") if a.size == "auto" else a.size
     batches = [int(x) for x in a.batches.split(",")]
-    dtypes = [d for d in a.dtypes.split(",") if d in DTYPES and (device == "cuda" or d == "fp32")]
+    dtypes = [d for d in a.dtypes.split(",") if d in PRECISIONS and (device == "cuda" or d == "fp32")]
     tmp = None
     model_dir = a.model_dir
     info = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "size": size,
@@ -151,9 +168,8 @@ def main(argv=None) -> int:
         print(f"onnxruntime reference on {n_ref} prompts ({a.ort_threads} threads)...", flush=True)
         ref, ort_row = bench_ort(model_dir, loaded, n_ref, a.ort_threads, a.seconds_per_config)
         rows, starts = [ort_row], []
-        runs = [(d, False) for d in dtypes] + ([("fp32", True)] if a.tf32 and device == "cuda" else [])
-        for dtype_name, tf32 in runs:
-            r, s = bench_torch(model_dir, loaded, ref, device, dtype_name, batches, a.seconds_per_config, tf32)
+        for dtype_name in dtypes:
+            r, s = bench_torch(model_dir, loaded, ref, device, dtype_name, batches, a.seconds_per_config, a.kernels)
             rows += r
             starts.append(s)
     finally:
@@ -161,10 +177,10 @@ def main(argv=None) -> int:
             tmp.cleanup()
     print(f"\n# frontend: {info['device']}, {size} stand-ins, {a.seconds:g} s prompts, torch {torch.__version__}; "
           f"CPU part (resample + checks) {info['cpu_load_ms_per_prompt']:.2f} ms/prompt")
-    print(f"{'backend':<24} {'dtype':<5} {'batch':>5} {'prompts/s':>10} {'ms/prompt':>10} {'tokens = ORT':>13} "
+    print(f"{'backend':<24} {'dtype':<6} {'batch':>5} {'prompts/s':>10} {'ms/prompt':>10} {'tokens = ORT':>13} "
           f"{'emb |diff|':>10} {'peak MiB':>9}")
     for r in rows:
-        print(f"{r['backend']:<24} {r['dtype']:<5} {r['batch']:>5} {r['prompts_per_s']:>10.1f} {r['ms_per_prompt']:>10.2f} "
+        print(f"{r['backend']:<24} {r['dtype']:<6} {r['batch']:>5} {r['prompts_per_s']:>10.1f} {r['ms_per_prompt']:>10.2f} "
               f"{r['agree']:>12.3%} {r['emb_diff']:>10.1e} {r.get('peak_mib', float('nan')):>9.0f}")
     for s in starts:
         print(f"first prompt after start-up ({s['backend']} {s['dtype']}): {s['first_prompt_ms']:.1f} ms "

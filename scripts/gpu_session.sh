@@ -2,8 +2,10 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm c64 c64cf c64seed full synth devices quick
-#        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden)
+# steps: tests frontendtests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
+#        c64 c64cf c64seed full synth synthcache devices quick
+#        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
+#        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -61,6 +63,10 @@ for step in "$@"; do
         --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
     hiftprof) log "profile_hift: host vs GPU ms per streaming HiFT call + kernel profile"
       timeout 200 python3 scripts/profile_hift.py --requests 6 --json "$OUT/profile_hift.json" 2>&1 | tee "$OUT/profile_hift.txt" | cut -c1-120 | tail -45 ;;
+    frontendtests) setup; log "pytest -m gpu tests/test_frontend_gpu.py"
+      COSYBATCH_FRONTEND_DIR=$CKPT timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_frontend_gpu.py \
+        > "$OUT/frontend_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/frontend_tests.txt"
+      grep -E "passed|failed|error|frontend-gpu" "$OUT/frontend_tests.txt" | cut -c1-400 | tail -14 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv " "$OUT/flow_tests.txt" | tail -24 ;;
@@ -70,12 +76,15 @@ for step in "$@"; do
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"
-      timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda 2>&1 | tee "$OUT/bench_frontend.txt" | tail -25 ;;
+      timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda --kernels 14 --json "$OUT/bench_frontend.json" \
+        2>&1 | tee "$OUT/bench_frontend.txt" | grep -v "^  " | tail -16 ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
     c32set=*) setup; kv=${step#c32set=}; prof "c32-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --set "$kv" ;;
+    c32warmset=*) setup; kv=${step#c32warmset=}; prof "c32warm-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --warm-prompts --set "$kv" ;;
+    c64set=*) setup; kv=${step#c64set=}; prof "c64-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_c64 64 1088 64 --set "$kv" ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
     base) setup; log "baseline ad1324d: seed profile C32"
       rm -rf /tmp/base && mkdir -p /tmp/base && git archive ad1324d | tar -x -C /tmp/base || exit 1
@@ -96,6 +105,13 @@ for step in "$@"; do
 import json; t = json.load(open("/tmp/synth-out/timing.json"))["totals"]; print(json.dumps(t, indent=1))
 PY
       cp /tmp/synth-out/timing.json "$OUT/synth-timing.json" ;;
+    synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
+      rm -rf /tmp/pc; for run in cold cached; do rm -rf /tmp/synth-$run
+        ( time timeout 300 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-$run --device cuda --force-length --quiet \
+            --prompt-cache /tmp/pc ) > "$OUT/synth-$run.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-$run.txt"
+        cp /tmp/synth-$run/timing.json "$OUT/synth-$run-timing.json"
+        python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['totals']; print(sys.argv[2], {k: t.get(k) for k in ('ok','failed','wall_s','audio_s','audio_s_per_s')})" \
+          /tmp/synth-$run/timing.json $run | tee -a "$OUT/synth-$run.txt"; done ;;
     devices) setup; log "synth --devices all vs --devices 1 (one GPU)"
       head -n 257 $WL/meta.lst > $WL/m256.lst
       for d in 1 all; do rm -rf /tmp/dev-$d

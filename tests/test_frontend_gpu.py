@@ -1,8 +1,10 @@
 """The PyTorch frontend on the GPU against onnxruntime, on full-size real-structure stand-ins.
 
 200 speech-like prompts of 3-30 s (most short: onnxruntime on the CPU is the reference and costs
-~25 ms per second of prompt at full size). fp32 with TF32 off must give onnxruntime's codes on
->= 99.9% of positions and embeddings within 1e-4; bf16 agreement is printed, not asserted.
+~25 ms per second of prompt at full size). fp32 with TF32 off, and fp32 with the tokenizer's
+GEMMs as 3xTF32 (the shipped profiles' precision, run with the process's TF32 switches on), must
+give onnxruntime's codes on >= 99.9% of positions and embeddings within 1e-4; bf16 agreement is
+printed, not asserted.
 
 Run on the H200: ``pytest -m gpu tests/test_frontend_gpu.py -s``. Dry run on a CPU:
 ``COSYBATCH_GPU_TEST_DEVICE=cpu COSYBATCH_GPU_TEST_SIZE=small pytest -m gpu tests/test_frontend_gpu.py``.
@@ -86,10 +88,20 @@ def reference(full_dir, prompts):
     return out
 
 
-def _frontend(full_dir, dtype, warmup):
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: no TF32 GEMMs or convs
+def _frontend(full_dir, dtype, warmup, split_tf32=False, process_tf32=False):
+    """``process_tf32``: the process's TF32 switches on (as the shipped profiles set cuDNN's for
+    HiFT) -- the frontend must keep its own precision regardless."""
+    torch.backends.cuda.matmul.allow_tf32 = process_tf32
+    torch.backends.cudnn.allow_tf32 = process_tf32
+    return Frontend(full_dir, ModelConfig(), backend="torch", device=DEVICE, dtype=dtype, cache_size=0, warmup=warmup,
+                    split_tf32=split_tf32)
+
+
+@pytest.fixture
+def process_tf32():
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return Frontend(full_dir, ModelConfig(), backend="torch", device=DEVICE, dtype=dtype, cache_size=0, warmup=warmup)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +154,33 @@ def test_single_prompts_from_graphs_match_onnxruntime(fp32_frontend, prompts, re
         print(f"[frontend-gpu] graphs: {graphs.stats.as_dict()}")
     assert rate >= FP32_AGREEMENT, flips[:20]
     assert worst <= FP32_EMBED_TOL
+
+
+def test_3xtf32_matches_onnxruntime(full_dir, prompts, reference, process_tf32):
+    """The shipped profiles' precision: the tokenizer's GEMMs as three TF32 products each, built
+    and run with the process's TF32 switches on. Same bounds as strict float32."""
+    fe = _frontend(full_dir, torch.float32, warmup=True, split_tf32=True, process_tf32=True)
+    assert "3xTF32" in fe._impl.describe() or DEVICE != "cuda"
+    rate, worst, flips = _compare(fe, prompts, reference, "fp32 with 3xTF32 GEMMs (process TF32 on)")
+    assert rate >= FP32_AGREEMENT, flips[:20]
+    assert worst <= FP32_EMBED_TOL
+    rate, worst, flips = _compare(fe, prompts[:24], reference[:24], "3xTF32 one prompt at a time", singles=True)
+    assert rate >= FP32_AGREEMENT, flips[:20]
+    assert worst <= FP32_EMBED_TOL
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32  # left as it found them
+
+
+def test_process_tf32_does_not_reach_the_frontend(full_dir, prompts, fp32_frontend, process_tf32):
+    """Strict float32 stays strict when the process turns TF32 on: the same codes and (to
+    rounding) embeddings as with it off."""
+    loaded = [fp32_frontend.load_waveform(w, 16000, f"p{i}") for i, w in enumerate(prompts[:16])]
+    strict = fp32_frontend.raw_features(loaded)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    under_tf32 = fp32_frontend.raw_features(loaded)
+    for a, b in zip(strict, under_tf32):
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.embedding - b.embedding).abs().max() <= 1e-6
+        assert (a.mel - b.mel).abs().max() <= 1e-6
 
 
 def test_bf16_agreement_reported(full_dir, prompts, reference):

@@ -369,3 +369,27 @@ def test_triton_kernels_only_where_cuda_and_triton_are(monkeypatch):
     assert r.resolve(off, cfg, cuda).codec.triton_kernels is False
     monkeypatch.setattr(r, "triton_available", lambda: False)
     assert r.resolve(load_profile("packed_streaming"), cfg, cuda).codec.triton_kernels is False
+
+
+def test_frontend_device_and_precision():
+    """``frontend.device`` picks the implementation, ``frontend.precision`` its arithmetic; the
+    shipped fast profiles run the tokenizer's GEMMs as 3xTF32, the schema default is strict."""
+    import torch
+
+    from cosybatch.config import ModelConfig
+    from cosybatch.profiles.resolve import resolve
+
+    cfg, cpu = ModelConfig(), torch.device("cpu")
+    assert load_profile("reference").frontend.precision == "float32"
+    for name in ("default", "packed_streaming", "packed_streaming_optimized_standard"):
+        f = resolve(load_profile(name), cfg, cpu).frontend
+        assert (f.backend, f.dtype, f.split_tf32) == ("auto", torch.float32, True), name
+    f = resolve(load_profile("default", ["frontend.device=cpu", "frontend.precision=bfloat16"]), cfg, cpu).frontend
+    assert (f.backend, f.dtype, f.split_tf32) == ("onnxruntime", torch.bfloat16, False)
+    f = resolve(load_profile("default", ["frontend.device=cuda"]), cfg, torch.device("cuda")).frontend
+    assert f.backend == "torch"
+    with pytest.raises(ProfileError, match="frontend.device=cuda needs a CUDA device, the run uses cpu"):
+        resolve(load_profile("default", ["frontend.device=cuda"]), cfg, cpu)
+    assert err("default", ["frontend.precision=fp16"]) == ("--set frontend.precision=fp16: frontend.precision: "
+                                                           "expected one of 'float32', '3xtf32', 'bfloat16', got str 'fp16'")
+    assert "frontend.precision=3xtf32 (from " in err("default", ["engine=reference", "mode=full"])

@@ -20,6 +20,11 @@ one tensor, so one copy brings them back. Such chunks are padded to 1, 2 or 4 ro
 their last prompt, whose results are dropped), so the shapes -- and the graphs ``warmup``
 captures -- stay few: 1 row at every length bucket, 2 and 4 rows up to 10 s.
 
+Precision is the frontend's own: its device work runs with strict float32 convolutions and
+GEMMs whatever the process's TF32 switches say (the profiles turn cuDNN TF32 on for HiFT, and
+a TF32 convolution in the tokenizer moves codes), except, with ``split_tf32``, the tokenizer
+blocks' linears, which run as three TF32 GEMMs each: float32-grade results at tensor-core speed.
+
 The Kaldi fbank (CAM++ input) normally arrives precomputed by the CPU part, with the reference
 function: the log energy of a low-energy band is limited by float32 FFT rounding, so the
 official fbank is itself only good to ~1e-3 there, and any other computation of it (a GPU FFT,
@@ -38,12 +43,14 @@ import torch
 
 from cosybatch.audio.features import WHISPER_HOP
 from cosybatch.config import MelConfig
+from cosybatch.frontend_models.split_tf32 import split_linears
 from cosybatch.frontend_models.features import (KALDI_FRAME, KALDI_SHIFT, kaldi_fbank_batch, pad_frames, pad_rows,
                                                 prompt_mel_batch, whisper_log_mel_batch)
 from cosybatch.graph_cache import GraphCache
 from cosybatch.models.campplus import CAMPPlus
 from cosybatch.models.campplus_fast import CAMPPlusFast
 from cosybatch.models.s3tokenizer import S3TokenizerV3, token_lengths
+from cosybatch.runtime import float32_math
 
 SAMPLE_RATE = 16000
 
@@ -80,11 +87,17 @@ class PendingRaw:
 class DeviceFrontend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
-                 bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128):
+                 bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128, split_tf32: bool = False):
+        """``split_tf32`` (float32 on CUDA only): the tokenizer blocks' linears as three TF32
+        GEMMs each (``frontend_models.split_tf32``); everything else stays strict float32, whatever the
+        process's TF32 switches say."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
         self.tokenizer = tokenizer.to_mixed(self.device, dtype).eval()
+        self.split_tf32 = split_tf32 and dtype == torch.float32 and self.device.type == "cuda"
+        if self.split_tf32:  # the FSQ projection (dim -> 8) stays strict: it is tiny
+            split_linears(self.tokenizer.blocks)
         self.campplus = CAMPPlusFast(campplus).to(device=self.device, dtype=dtype).eval()
         self.max_batch = max(1, int(max_batch))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
@@ -114,8 +127,9 @@ class DeviceFrontend:
 
     def describe(self) -> str:
         t, c = self.tokenizer.cfg, self.campplus.cfg
+        precision = "float32, 3xTF32 GEMMs" if self.split_tf32 else str(self.dtype).replace("torch.", "")
         return (f"S3TokenizerV3 {t.layers}x{t.dim} ({t.heads} heads), CAM++ {'/'.join(map(str, c.block_layers))} "
-                f"on {self.device} {str(self.dtype).replace('torch.', '')}")
+                f"on {self.device} {precision}")
 
     # ---- batching -----------------------------------------------------------------------
     def _chunks(self, order: list[int], n16: list[int]) -> list[list[int]]:
@@ -146,7 +160,7 @@ class DeviceFrontend:
         n16 = [int(w.shape[-1]) for w in wav16]
         order = sorted(range(len(wav16)), key=lambda i: n16[i])
         chunks = []
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), float32_math(False, False):
             for chunk in self._chunks(order, n16):
                 fb = None if fbank is None else [fbank[i] for i in chunk]
                 chunks.append((chunk, *self._batch([wav16[i] for i in chunk], [wav_mel[i] for i in chunk], fb)))
@@ -242,7 +256,7 @@ class DeviceFrontend:
     # ---- single-purpose helpers ---------------------------------------------------------------
     def speech_tokens(self, wav16: torch.Tensor) -> torch.Tensor:
         """Raw codes of one [1, n] 16 kHz prompt (no mel, no cut)."""
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), float32_math(False, False):
             x, n, _ = self._rows([wav16], 0)
             feats, frames = whisper_log_mel_batch(x, n, self.n_mels)
             codes, code_len = self.tokenizer(feats, frames, padded=False)
@@ -253,7 +267,7 @@ class DeviceFrontend:
         from cosybatch.audio import kaldi_fbank
 
         fb = kaldi_fbank(wav16, num_mel_bins=self.fbank_bins)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), float32_math(False, False):
             frames = torch.tensor([fb.shape[0]], device=self.device)
             return self.campplus(fb[None].to(self.device), frames, padded=False).float().cpu()
 

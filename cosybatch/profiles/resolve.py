@@ -11,11 +11,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from cosybatch.codec.config import CodecConfig
 from cosybatch.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
-from cosybatch.profiles.schema import HopsProfile, Profile, ProfileError, SamplingProfile
+from cosybatch.profiles.schema import FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile
 from cosybatch.runtime import ProcessSettings, triton_available
 
 log = logging.getLogger("cosybatch.profiles")
@@ -36,6 +38,23 @@ class SliceSettings:
 
 
 @dataclass(frozen=True)
+class FrontendSettings:
+    """The ``cosybatch.frontend.Frontend`` arguments a profile chooses."""
+
+    backend: str  # "auto", "torch" or "onnxruntime"
+    dtype: torch.dtype
+    split_tf32: bool
+
+
+def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
+    if f.device == "cuda" and device.type != "cuda":
+        raise ProfileError(f"frontend.device=cuda needs a CUDA device, the run uses {device.type}")
+    backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
+    dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
+    return FrontendSettings(backend, dtype, f.precision == "3xtf32")
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything the fast pipeline needs, with every default filled in."""
 
@@ -46,6 +65,7 @@ class RunSettings:
     hops: tuple[int, int, int]  # (first, max, scale) in tokens
     sampling: SamplingParams  # per-row seeds and forced lengths are derived from it
     frontend_workers: int
+    frontend: FrontendSettings
     slices: SliceSettings
     profile: str = ""
 
@@ -107,5 +127,6 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     return RunSettings(engine=EngineConfig.from_mapping(ar), codec=codec, process=process,
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
-                       frontend_workers=c.frontend_workers, profile=profile.name,
+                       frontend_workers=c.frontend_workers, frontend=resolve_frontend(profile.frontend, device),
+                       profile=profile.name,
                        slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3, c.max_wait_ms / 1e3))

@@ -66,6 +66,20 @@ class CodecProfile:
 
 
 @dataclass(frozen=True)
+class FrontendProfile:
+    """Where prompt features (speech tokens, speaker embedding, prompt mel) are computed."""
+
+    # auto: PyTorch on CUDA when the checkpoint's ONNX files load into it, else onnxruntime on
+    # the CPU with the reason in the log; cuda: PyTorch on the GPU or an error; cpu:
+    # onnxruntime on the CPU (the reference path, slow with a full-size tokenizer)
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    # The PyTorch path's arithmetic: float32 (strict: GEMMs on CUDA cores), 3xtf32 (float32
+    # with the tokenizer's GEMMs as three TF32 products each: float32-grade codes at
+    # tensor-core speed; strict float32 on a CPU), bfloat16 (fastest; moves ~8 % of codes)
+    precision: Literal["float32", "3xtf32", "bfloat16"] = "float32"
+
+
+@dataclass(frozen=True)
 class HopsProfile:
     """Streaming hop schedule in speech tokens (see ``cosybatch.codec.hops``)."""
 
@@ -121,6 +135,7 @@ class Profile:
     description: str = ""
     ar: ARProfile = field(default_factory=ARProfile)
     codec: CodecProfile = field(default_factory=CodecProfile)
+    frontend: FrontendProfile = field(default_factory=FrontendProfile)
     hops: HopsProfile = field(default_factory=HopsProfile)
     optimizations: Optimizations = field(default_factory=Optimizations)
     sampling: SamplingProfile = field(default_factory=SamplingProfile)
@@ -291,7 +306,7 @@ _USES = {
 }
 DEFAULTS = Profile()
 # engine=reference runs the exact one-request path and reads none of these.
-_FAST_ONLY = tuple(k for k in LEAVES if k.split(".")[0] in ("ar", "codec", "optimizations"))
+_FAST_ONLY = tuple(k for k in LEAVES if k.split(".")[0] in ("ar", "codec", "frontend", "optimizations"))
 
 
 def fmt(v: Any) -> str:
