@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests frontendtests flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
+# steps: tests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
 #        c64 c64cf c64seed full synth synthcache devices quick
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
@@ -78,6 +78,9 @@ for step in "$@"; do
     frontend) setup; log "bench_frontend"
       timeout 300 python3 scripts/bench_frontend.py --model-dir $CKPT --device cuda --kernels 14 --json "$OUT/bench_frontend.json" \
         2>&1 | tee "$OUT/bench_frontend.txt" | grep -v "^  " | tail -16 ;;
+    frontendparts) setup; log "profile_frontend: each part eager and graphed, batch 1/4/64"
+      timeout 200 python3 scripts/profile_frontend.py --model-dir $CKPT --batches 1,4,64 --json "$OUT/profile_frontend.json" \
+        2>&1 | tee "$OUT/profile_frontend.txt" | grep -v "^  " ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
