@@ -50,7 +50,7 @@ for step in "$@"; do
       echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip" "$OUT/gpu_tests.txt" | tail -30 ;;
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
-        --full-jobs 32,64 --stream-rows 32 --reps 2 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
+        --full-jobs 64 --stream-rows 32 --reps 1 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
     flowsweep) log "bench_codec: graphed full passes vs size (fixed cost per Euler step) + eager kernel profile"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
         --full-jobs 2,4,8,16,32 --profile 8 --no-baseline --reps 2 --json "$OUT/bench_flowsweep.json" 2>&1 \

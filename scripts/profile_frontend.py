@@ -1,7 +1,8 @@
 """Where the GPU frontend's time goes: each part timed alone, eager and from a CUDA graph.
 
 Parts: whisper log-mel, S3TokenizerV3 (per precision), CAM++ (from the reference fbank), the
-prompt mel. Each is timed with CUDA events over ``--reps`` runs, eager and replayed from a graph
+prompt mel, and all of them as the frontend's slice runs them (3xTF32), with CAM++ on a side
+stream beside the tokenizer ("overlapped", the default on CUDA) or after it ("serial"). Each is timed with CUDA events over ``--reps`` runs, eager and replayed from a graph
 captured for that part alone, at each ``--batches`` size, on 5 s speech-like prompts. Under a
 fixed concurrency prompts arrive one or two at a time, so batch 1 is what the pipeline pays.
 
@@ -79,6 +80,12 @@ def main(argv=None) -> int:
                      "CAM++": lambda: impl.campplus(fb, nfb, padded=False)}
             for p, fe in fronts.items():
                 parts[f"tokenizer {p}"] = lambda tok=fe._impl.tokenizer: tok(feats, frames, padded=False)
+            # everything the pipeline's frontend slice runs, with CAM++ beside the tokenizer or after it
+            both = fronts["3xtf32"]._impl
+            side = both._side
+            for label, stream in (("all, overlapped", side), ("all, serial", None)):
+                parts[label] = lambda s=stream: (setattr(both, "_side", s),
+                                                 both._features(x16, l16, fb, nfb, xm, lm, False, False))
             for name, fn in parts.items():
                 eager = _time(fn, a.reps)
                 graph = _time(_graphed(fn), a.reps)

@@ -209,3 +209,20 @@ def test_batching_and_latency(fp32_frontend, prompts):
     print(f"\n[frontend-gpu] new 5 s prompt after its waveform: {ms:.1f} ms ({feats.speech_tokens.numel()} tokens)")
     if DEVICE == "cuda":
         assert ms < 100  # measured 33-42 ms (target 30); the bound catches a lost warm-up or a sync storm
+
+
+def test_campplus_beside_the_tokenizer_changes_nothing(fp32_frontend, prompts):
+    """CAM++ on the side stream (the default on CUDA) gives exactly what it gives after the
+    tokenizer: the same kernels, only concurrent."""
+    impl = fp32_frontend._impl
+    if impl._side is None:
+        pytest.skip("no side stream off CUDA")
+    loaded = [fp32_frontend.load_waveform(w, 16000, f"p{i}") for i, w in enumerate(prompts[:16])]
+    overlapped = fp32_frontend.raw_features(loaded)  # 16 rows: the eager batched path
+    side, impl._side = impl._side, None
+    try:
+        serial = fp32_frontend.raw_features(loaded)
+    finally:
+        impl._side = side
+    for a, b in zip(overlapped, serial):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.embedding, b.embedding) and torch.equal(a.mel, b.mel)
