@@ -152,6 +152,8 @@ class Frontend:
         self.campplus_mels = self._impl.fbank_bins
         namespace = self._disk_namespace(dtype) if disk_cache is not None else "none"
         self._cache = PromptCache(cache_size, cache_bytes, disk_cache, namespace)
+        self._inflight: dict[str, PendingFeatures] = {}  # key -> the launch computing it
+        self._inflight_lock = threading.Lock()
         self._paths: OrderedDict[tuple, str] = OrderedDict()
         self._paths_lock = threading.Lock()
         if warmup and self.backend == "torch" and self._impl.device.type == "cuda":
@@ -261,18 +263,31 @@ class Frontend:
         ``ready()`` says, without waiting, whether that read would wait."""
         known: dict[int, PromptFeatures] = {}
         todo: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            hit = p.cached if p.cached is not None else self._cache.peek(p.key)
-            if hit is not None:
-                known[i] = hit.clone()
-            else:
-                todo.setdefault(p.key, []).append(i)
-        first = [prompts[idx[0]] for idx in todo.values()]
-        raws = None
-        if first:
-            launch = getattr(self._impl, "launch", None)
-            raws = launch(*self._inputs(first)) if launch is not None else _Done(self._compute(first))
-        return PendingFeatures(self, len(prompts), known, first, list(todo.values()), raws)
+        elsewhere: dict[int, tuple[PendingFeatures, LoadedPrompt]] = {}
+        with self._inflight_lock:
+            for i, p in enumerate(prompts):
+                hit = p.cached if p.cached is not None else self._cache.peek(p.key)
+                if hit is not None:
+                    known[i] = hit.clone()
+                elif p.key in self._inflight:  # an earlier launch computes it (bulk runs repeat prompts)
+                    elsewhere[i] = (self._inflight[p.key], p)
+                else:
+                    todo.setdefault(p.key, []).append(i)
+            first = [prompts[idx[0]] for idx in todo.values()]
+            raws = None
+            if first:
+                launch = getattr(self._impl, "launch", None)
+                raws = launch(*self._inputs(first)) if launch is not None else _Done(self._compute(first))
+            pending = PendingFeatures(self, len(prompts), known, first, list(todo.values()), raws, elsewhere)
+            self._inflight.update((p.key, pending) for p in first)
+        return pending
+
+    def _landed(self, pending: "PendingFeatures") -> None:
+        """``pending``'s prompts are cached (or failed): later launches compute them anew."""
+        with self._inflight_lock:
+            for p in pending.computes:
+                if self._inflight.get(p.key) is pending:
+                    del self._inflight[p.key]
 
     def raw_features(self, prompts: Sequence[LoadedPrompt]) -> list[RawFeatures]:
         """Uncached features before the token/mel cut (all codes), for checks and benchmarks."""
@@ -357,24 +372,43 @@ class _Done:
 
 class PendingFeatures:
     """What ``Frontend.launch_features`` returns: the features of its prompts, in order, once
-    ``result()`` is called (which caches the newly computed ones)."""
+    ``result()`` is called (which caches the newly computed ones). Prompts an earlier launch
+    still computes are taken from it (``elsewhere``), not computed twice."""
 
-    def __init__(self, frontend: Frontend, n: int, known: dict, first: list, where: list, raws):
-        self._fe, self._n, self._known, self._first, self._where, self._raws = frontend, n, known, first, where, raws
+    def __init__(self, frontend: Frontend, n: int, known: dict, first: list, where: list, raws, elsewhere: dict):
+        self._fe, self._n, self._known, self._where, self._raws = frontend, n, known, where, raws
+        self.computes = first  # the prompts this launch computes, one per key
+        self._elsewhere = elsewhere  # index -> (the launch computing it, the prompt)
+        self._features: dict[str, PromptFeatures] | None = None
 
     def ready(self) -> bool:
-        return self._raws is None or self._raws.ready()
+        return (self._raws is None or self._raws.ready()) and all(o.ready() for o, _ in self._elsewhere.values())
+
+    def _own(self) -> dict[str, PromptFeatures]:
+        """This launch's computed features by key (read, cached and released once)."""
+        if self._features is None:
+            try:
+                raws = self._raws.result() if self._raws is not None else []
+                self._features = {p.key: self._fe._align_raw(raw, p.source) for p, raw in zip(self.computes, raws)}
+                for key, feats in self._features.items():
+                    self._fe._cache.put(key, feats)
+            finally:
+                self._fe._landed(self)
+        return self._features
 
     def result(self) -> list[PromptFeatures]:
         out: list[PromptFeatures | None] = [None] * self._n
         for i, f in self._known.items():
             out[i] = f
-        if self._raws is not None:
-            for p, raw, idx in zip(self._first, self._raws.result(), self._where):
-                feats = self._fe._align_raw(raw, p.source)
-                self._fe._cache.put(p.key, feats)
-                for i in idx:
-                    out[i] = feats.clone()
+        own = self._own()
+        for p, idx in zip(self.computes, self._where):
+            for i in idx:
+                out[i] = own[p.key].clone()
+        for i, (owner, p) in self._elsewhere.items():
+            try:
+                out[i] = owner._own()[p.key].clone()
+            except Exception:  # the launch that computed it failed: compute it here, alone
+                out[i] = self._fe._align_raw(self._fe._compute([p])[0], p.source)
         return out  # type: ignore[return-value]
 
 

@@ -136,3 +136,38 @@ def test_prepare_matches_official(model_dir, reference_dir, fixtures_dir, utt):
     assert len(out.segments) == n_seg == len(out.segment_texts)
     for s, ids in enumerate(out.segments):
         assert torch.equal(ids, ref[f"seg{s}.text_token"][0].long())
+
+
+def test_a_prompt_in_flight_is_not_computed_twice(model_dir, fixtures_dir):
+    """Bulk runs repeat prompts: a launch whose prompt an earlier launch still computes takes it
+    from that launch (read in either order), and computes it alone if that launch fails."""
+    fe = Frontend(model_dir, ModelConfig(), cache_size=8)
+    computed = []
+    real = fe._compute
+    fe._compute = lambda prompts: computed.extend(p.source for p in prompts) or real(prompts)
+    p1, p2, p3 = (fe.load(_wav(fixtures_dir, u)) for u in ("utt1", "utt2", "utt3"))
+    a = fe.launch_features([p1, p2])
+    b = fe.launch_features([p2, p3, p2])
+    assert computed == [p1.source, p2.source, p3.source]  # p2 once
+    got_b = b.result()  # before a: b reads a's results itself
+    got_a = a.result()
+    assert torch.equal(got_b[0].speech_tokens, got_a[1].speech_tokens)
+    assert torch.equal(got_b[2].embedding, got_a[1].embedding)
+    assert not fe._inflight
+    assert fe.launch_features([fe.load(_wav(fixtures_dir, "utt2"))]).result()[0].speech_tokens.equal(got_a[1].speech_tokens)
+    assert len(computed) == 3  # the cache serves it now
+
+    fe2 = Frontend(model_dir, ModelConfig(), cache_size=8)
+    q1, q2 = fe2.load(_wav(fixtures_dir, "utt1")), fe2.load(_wav(fixtures_dir, "utt2"))
+    a = fe2.launch_features([q1])
+    b = fe2.launch_features([q1, q2])
+
+    def broken():
+        raise RuntimeError("device fault")
+    a._raws.result = broken
+    with pytest.raises(RuntimeError, match="device fault"):
+        a.result()
+    assert list(fe2._inflight) == [q2.key]  # a's q1 is released; b still computes q2
+    got = b.result()  # q1 computed here, alone
+    assert torch.equal(got[0].speech_tokens, fe.prompt(_wav(fixtures_dir, "utt1")).speech_tokens)
+    assert not fe2._inflight
