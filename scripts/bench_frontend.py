@@ -4,11 +4,12 @@ Builds real-structure stand-ins of ``--size`` (``full`` = the official dimension
 tokenizer) in a temporary directory unless ``--model-dir`` is given, synthesises speech-like
 prompts of ``--seconds`` at 24 kHz, and measures prompts/s of the device part (whisper log-mel
 + S3TokenizerV3, Kaldi fbank + CAM++, prompt mel, host copies) for onnxruntime (one prompt per
-call, ``--ort-threads``) and for torch at each batch size and dtype, each figure with the share
+call, ``--ort-threads``) and for torch at each batch size and precision, each figure with the share
 of token positions identical to onnxruntime's and the largest embedding difference. It also
 times the first prompt of a run (its waveform in hand -> PromptFeatures on the host) right
-after the frontend is built. Precisions: fp32 (strict), 3xtf32 (float32 with the tokenizer's
-GEMMs as three TF32 products each, what the shipped profiles run) and bf16; the frontend keeps
+after the frontend is built. Precisions (``frontend.precision``): float32 (strict), 3xtf32
+(float32 with the tokenizer's GEMMs as three TF32 products each, what the shipped profiles run)
+and bfloat16; the frontend keeps
 its own float32 switches whatever the process's are. ``--kernels N`` prints the N costliest CUDA
 kernels of one call at the largest batch for each precision.
 
@@ -36,7 +37,8 @@ from cosybatch.config import ModelConfig  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
 
-PRECISIONS = {"fp32": (torch.float32, False), "3xtf32": (torch.float32, True), "bf16": (torch.bfloat16, False)}
+# the names of the profile key frontend.precision
+PRECISIONS = {"float32": (torch.float32, False), "3xtf32": (torch.float32, True), "bfloat16": (torch.bfloat16, False)}
 
 
 def _sync(device: str) -> None:
@@ -66,7 +68,7 @@ def bench_ort(model_dir, loaded, n_ref, threads, budget):
         if done >= n_ref and time.perf_counter() - t0 > budget:
             break
     dt = time.perf_counter() - t0
-    return ref, {"backend": f"onnxruntime cpu x{threads}", "dtype": "fp32", "batch": 1, "prompts": done,
+    return ref, {"backend": f"onnxruntime cpu x{threads}", "dtype": "float32", "batch": 1, "prompts": done,
                  "prompts_per_s": done / dt, "ms_per_prompt": dt / done * 1e3, "agree": 1.0, "emb_diff": 0.0}
 
 
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-prompts", type=int, default=32, help="prompts compared with onnxruntime")
     ap.add_argument("--seconds", type=float, default=5.0, help="prompt length")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--dtypes", default="fp32,3xtf32,bf16", help="precisions: " + ",".join(PRECISIONS))
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="any of " + ",".join(PRECISIONS))
     ap.add_argument("--kernels", type=int, default=0, help="print the N costliest CUDA kernels per precision")
     ap.add_argument("--seconds-per-config", type=float, default=4.0)
     ap.add_argument("--json", type=Path)
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     size = ("full" if device == "cuda" else "small") if a.size == "auto" else a.size
     batches = [int(x) for x in a.batches.split(",")]
-    dtypes = [d for d in a.dtypes.split(",") if d in PRECISIONS and (device == "cuda" or d == "fp32")]
+    dtypes = [d for d in a.precisions.split(",") if d in PRECISIONS and (device == "cuda" or d == "float32")]
     tmp = None
     model_dir = a.model_dir
     info = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "size": size,
@@ -177,10 +179,10 @@ def main(argv=None) -> int:
             tmp.cleanup()
     print(f"\n# frontend: {info['device']}, {size} stand-ins, {a.seconds:g} s prompts, torch {torch.__version__}; "
           f"CPU part (resample + checks) {info['cpu_load_ms_per_prompt']:.2f} ms/prompt")
-    print(f"{'backend':<24} {'dtype':<6} {'batch':>5} {'prompts/s':>10} {'ms/prompt':>10} {'tokens = ORT':>13} "
+    print(f"{'backend':<24} {'precision':<9} {'batch':>5} {'prompts/s':>10} {'ms/prompt':>10} {'tokens = ORT':>13} "
           f"{'emb |diff|':>10} {'peak MiB':>9}")
     for r in rows:
-        print(f"{r['backend']:<24} {r['dtype']:<6} {r['batch']:>5} {r['prompts_per_s']:>10.1f} {r['ms_per_prompt']:>10.2f} "
+        print(f"{r['backend']:<24} {r['dtype']:<9} {r['batch']:>5} {r['prompts_per_s']:>10.1f} {r['ms_per_prompt']:>10.2f} "
               f"{r['agree']:>12.3%} {r['emb_diff']:>10.1e} {r.get('peak_mib', float('nan')):>9.0f}")
     for s in starts:
         print(f"first prompt after start-up ({s['backend']} {s['dtype']}): {s['first_prompt_ms']:.1f} ms "

@@ -6,12 +6,12 @@ part that TF32 holds exactly (the float32 with its low 13 mantissa bits cleared)
 
     a @ b = a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi + a_lo @ b_lo,
 
-and the last product is below float32's own rounding (<= 2**-20 relative), so three TF32
-GEMMs with float32 accumulation give float32-grade results: the only loss left is TF32's
-reading of the two small parts, ~2**-21 relative, against float32's 2**-24 per operation. A
-single TF32 GEMM loses ~2**-11 and flips speech-tokenizer codes (measured: 99.35 % of
-positions kept, docs/performance.md); strict float32 GEMMs run on the CUDA cores at ~8 % of
-the tensor cores' rate.
+and three TF32 GEMMs with float32 accumulation keep the first three terms. What is lost: the
+dropped term (at most 2**-20 of |a||b|, typically ~2**-22) and TF32's reading of the two small
+parts (~2**-21 of them): a few bits short of float32's 2**-24 per operation, against 2**-11
+for a single TF32 GEMM, which flips speech-tokenizer codes (measured: 99.35 % of positions
+kept, docs/performance.md). Strict float32 GEMMs run on the CUDA cores at ~1/7 of the TF32
+tensor cores' rate.
 
 Only the GEMMs inside :class:`SplitTF32Linear` run on TF32 (the switch is turned on around
 them and restored), so every other float32 op of the caller keeps its precision. On a CPU

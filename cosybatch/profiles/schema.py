@@ -51,8 +51,8 @@ class CodecProfile:
     # row's tokens; an imminent playback deadline may overrun it (design.md D15).
     budget_ms: float = 6.0
     # Experimental (null = off; at 16 ms no measurable change at C32): with fewer rows decoding
-    # than the AR admission, the budget grows in proportion (an AR step costs about the same for one row as
-    # for a full batch), up to this many milliseconds. See ``timeline.policy.iteration_budget``.
+    # than the AR admission, the budget grows in proportion (an AR step costs about the same for
+    # one row as for a full batch), up to this many milliseconds (``timeline.policy.iteration_budget``).
     budget_max_ms: float | None = None
     # When a flow solve starts (a Euler step costs a fixed few hundred kernels whatever its
     # size, so tiny solves waste the GPU): once the ready hops make ``solve_tokens``
