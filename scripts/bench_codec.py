@@ -72,8 +72,10 @@ def make_rows(cfg, n_rows, prompt_tokens, target_tokens, device, seed=0):
     rows = []
     for i in range(n_rows):
         p = prompt_tokens
+        # as the pipeline holds them: speech tokens on the host (planning reads them there; a
+        # device copy would sync per job), embedding and mel on the device
         prompt = PromptFeatures(
-            torch.randint(0, cfg.vocab_size, (p,), generator=g).to(device),
+            torch.randint(0, cfg.vocab_size, (p,), generator=g),
             torch.randn(1, cfg.spk_embed_dim, generator=g).to(device),
             torch.randn(1, 2 * p, cfg.output_size, generator=g).to(device),
         )
