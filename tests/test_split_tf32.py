@@ -4,6 +4,7 @@ linears keeps its codes. Also the scoped float32 switches (``runtime.float32_mat
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,3 +97,30 @@ def test_float32_math_scopes_and_restores_the_switches():
         assert (cudnn.allow_tf32, cublas.allow_tf32) == (True, False)
     finally:
         cudnn.allow_tf32, cublas.allow_tf32 = before
+
+
+@pytest.mark.gpu
+def test_split_linear_on_cuda_is_float32_grade():
+    """On the GPU the switch really makes three TF32 GEMMs: against a float64 reference the
+    split linear is within a few times strict float32's error, while one TF32 GEMM is not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    lin = nn.Linear(1280, 1280).cuda()
+    x = torch.randn(512, 1280, generator=g).cuda()
+    exact = (x.double() @ lin.weight.double().t() + lin.bias.double())
+    scale = exact.abs().mean()
+    cublas = torch.backends.cuda.matmul
+    before = cublas.allow_tf32
+    try:
+        cublas.allow_tf32 = False
+        strict = F.linear(x, lin.weight, lin.bias)
+        three = SplitTF32Linear(lin)(x)
+        assert cublas.allow_tf32 is False  # restored
+        cublas.allow_tf32 = True
+        one = F.linear(x, lin.weight, lin.bias)
+    finally:
+        cublas.allow_tf32 = before
+    err32, err3, err1 = (float((y.double() - exact).abs().max() / scale) for y in (strict, three, one))
+    print(f"\n[split-tf32] max error / mean |y|: float32 {err32:.2e}, 3xTF32 {err3:.2e}, TF32 {err1:.2e}")
+    assert err3 < 8 * err32 and err1 > 50 * err3
