@@ -159,6 +159,12 @@ class Frontend:
         if warmup and self.backend == "torch" and self._impl.device.type == "cuda":
             self._impl.warmup()  # lazy CUDA setup and every length bucket's plans now, not on a prompt
 
+    @property
+    def bfloat16(self) -> bool:
+        """Whether prompt features come from the bfloat16 GPU models, whose codes differ from the
+        reference's at ~8 % of positions (every float32 path gives the reference's codes)."""
+        return self.backend == "torch" and self._impl.dtype == torch.bfloat16
+
     def _disk_namespace(self, dtype: torch.dtype) -> str:
         """Disk entries are only valid for these exact models, features and numerics."""
         h = hashlib.blake2b(digest_size=12)

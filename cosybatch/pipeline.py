@@ -131,7 +131,9 @@ class FastSynthesizer:
                 "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
                 "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
                 "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
-                "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length}
+                "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length,
+                # only when it changes the tokens, so float32 runs resume across frontend paths
+                **({"prompt_features": "bfloat16"} if self.pipeline.frontend.bfloat16 else {})}
 
     def stage_busy(self) -> dict[str, float]:
         """Seconds each stage has been busy; rows share batches, so stages are timed per run."""

@@ -64,3 +64,27 @@ def test_synth_force_length_and_ledger_tokens(fixtures_dir, tmp_path):
     assert again.exit_code == 0
     changed = CliRunner().invoke(cli, args[:-1], catch_exceptions=False)
     assert changed.exit_code == 2
+
+
+def test_bfloat16_prompt_features_are_part_of_the_resume_fingerprint(fixtures_dir):
+    """bfloat16 GPU frontends change ~8 % of prompt codes, so resuming a run across that switch
+    must be refused; every float32 path gives the reference's codes and shares the fingerprint."""
+    import torch
+
+    from cosybatch.pipeline import build_synthesizer
+
+    synth = build_synthesizer(str(fixtures_dir / "model"), "cpu", None, ["frontend.precision=bfloat16"])
+    try:
+        fe = synth.pipeline.frontend
+        assert fe.backend == "onnxruntime" and not fe.bfloat16  # no GPU: the precision has no effect
+        assert "prompt_features" not in synth.fingerprint()
+
+        class Bf16Impl:  # what the GPU path would hold
+            dtype = torch.bfloat16
+        fe.backend, fe._impl, impl = "torch", Bf16Impl(), fe._impl
+        try:
+            assert synth.fingerprint()["prompt_features"] == "bfloat16"
+        finally:
+            fe.backend, fe._impl = "onnxruntime", impl
+    finally:
+        synth.close()
