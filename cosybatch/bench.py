@@ -267,7 +267,8 @@ def result_table(result: BenchResult, title: str):
     for k, g in (tl.get("graphs") or {}).items():
         if g and "hit_rate" in g:
             mb = (g.get("pool_bytes") or g.get("pool_reserved_bytes") or 0) / 2**20
-            rows.append((f"graphs: {k} hit rate / pool MB (since start-up)", f"{g['hit_rate']:.2f} / {mb:,.0f}"))
+            rows.append((f"graphs: {k} hit rate / pool MB (since start-up) / captures in the run",
+                         f"{g['hit_rate']:.2f} / {mb:,.0f} / {g.get('captures_in_window', '-')}"))
     if result.gpu_memory:
         g = result.gpu_memory
         rows.append(("GPU memory peak: allocated / reserved / device (GiB)",

@@ -104,6 +104,7 @@ class FastPipeline:
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
         self._counter_base: dict[str, int] = {}
+        self._capture_base: dict[str, int] = {}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
@@ -154,10 +155,15 @@ class FastPipeline:
             "prefill_graph_share": per("prefill_graphed", "prefill_calls"),
             **{k: d[k] for k in ("flow_calls", "hift_batches", "prefill_calls")},
         }
-        out["graphs"] = self._graph_stats()
+        graphs = self._graph_stats()
+        for k, g in graphs.items():  # captures inside the window: what start-up did not capture
+            if g and "captures" in g:
+                g["captures_in_window"] = g["captures"] - self._capture_base.get(k, 0)
+        out["graphs"] = graphs
         if reset:
             self.acct.reset()
             self._counter_base = now
+            self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
         return out
 
     def _graph_stats(self) -> dict:

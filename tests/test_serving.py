@@ -207,3 +207,24 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     kinds = {k: e.kind for k, e in ends.items()}
     assert kinds == {rows[0].utt_id: "done", rows[1].utt_id: "error", rows[2].utt_id: "done"}, kinds
     assert "bad prompt" in ends[rows[1].utt_id].error
+
+
+def test_timeline_counts_graph_captures_inside_the_window(parts):
+    """``timeline(reset=True)`` starts the measured window; each graph cache then reports how
+    many captures fell inside it (what start-up and the warm-ups did not capture)."""
+    from cosybatch.profiles import load_profile
+    from cosybatch.serving import FastPipeline
+
+    models, frontend = parts
+    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    captures = {"n": 5}
+    pipe._graph_stats = lambda: {"flow": {"captures": captures["n"], "hit_rate": 1.0}, "hift": None,
+                                 "prefill": {"buckets": 3}}
+    try:
+        assert pipe.timeline()["graphs"]["flow"]["captures_in_window"] == 5  # since start-up: no window yet
+        pipe.timeline(reset=True)
+        captures["n"] = 12
+        g = pipe.timeline()["graphs"]
+        assert g["flow"]["captures_in_window"] == 7 and g["hift"] is None and "captures_in_window" not in g["prefill"]
+    finally:
+        pipe.close()
