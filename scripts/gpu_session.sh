@@ -3,7 +3,7 @@
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
 # steps: tests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
-#        c64 c64cf c64seed full synth synthcache devices quick
+#        c64 c64cf c64seed full synth synthcache synthhost devices quick
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
@@ -115,6 +115,17 @@ PY
         cp /tmp/synth-$run/timing.json "$OUT/synth-$run-timing.json"
         python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['totals']; print(sys.argv[2], {k: t.get(k) for k in ('ok','failed','wall_s','audio_s','audio_s_per_s')})" \
           /tmp/synth-$run/timing.json $run | tee -a "$OUT/synth-$run.txt"; done ;;
+    synthhost) setup; log "synth default --force-length under cProfile (the scheduling thread): where its host time goes"
+      rm -rf /tmp/synth-host
+      timeout 400 python3 -m cProfile -o "$OUT/synth-host.pstats" -m cosybatch synth $WL/meta.lst --model $CKPT \
+        --out /tmp/synth-host --device cuda --force-length --quiet > "$OUT/synth-host.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-host.txt"
+      python3 - "$OUT/synth-host.pstats" <<'PY' | tee -a "$OUT/synth-host.txt"
+import pstats, sys
+st = pstats.Stats(sys.argv[1])
+st.sort_stats("cumulative").print_stats("write_wav_atomic|fsync|append|step|_commit|synchronize|result", 20)
+st.sort_stats("tottime").print_stats(15)
+PY
+      ;;
     devices) setup; log "synth --devices all vs --devices 1 (one GPU)"
       head -n 257 $WL/meta.lst > $WL/m256.lst
       for d in 1 all; do rm -rf /tmp/dev-$d
