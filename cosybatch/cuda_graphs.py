@@ -4,6 +4,12 @@ Capture runs on a side stream in thread-local error mode after a warm-up (lazy k
 initialisation and autotuning must not happen inside the capture). A failed capture leaves
 the process as it was: the caller's stream is current again and the CUDA RNG is out of
 capture mode, so the caller can fall back to eager and carry on (design.md D11).
+
+It calls ``CUDAGraph.capture_begin`` / ``capture_end`` itself rather than entering
+``torch.cuda.graph``, whose entry also empties PyTorch's device cache and its pinned host cache:
+graphs are captured while requests run (a new flow bucket, a HiFT shape), and after each such
+capture every allocation and every pinned upload (``hostcopy.h2d``) would go back to
+``cudaMalloc`` / ``cudaHostAlloc`` until the caches refill.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ def capture_graph(fn: Callable[[], Any], *, pool=None, stream: "torch.cuda.Strea
         caller.wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-            out = fn()
+        with torch.cuda.stream(side):
+            graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()  # also when fn failed: it ends the capture (and raises)
     except BaseException:
-        # torch.cuda.graph leaves the side stream current when capture_end raises
-        torch.cuda.set_stream(caller)
+        torch.cuda.set_stream(caller)  # whatever failed, the caller's stream is current again
         _unpoison_cuda_rng()
         raise
     return graph, out
