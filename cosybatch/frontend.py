@@ -270,7 +270,7 @@ class Frontend:
         known: dict[int, PromptFeatures] = {}
         todo: dict[str, list[int]] = {}
         elsewhere: dict[int, tuple[PendingFeatures, LoadedPrompt]] = {}
-        with self._inflight_lock:
+        with self._inflight_lock:  # held only to sort the prompts, never while computing them
             for i, p in enumerate(prompts):
                 hit = p.cached if p.cached is not None else self._cache.peek(p.key)
                 if hit is not None:
@@ -280,12 +280,17 @@ class Frontend:
                 else:
                     todo.setdefault(p.key, []).append(i)
             first = [prompts[idx[0]] for idx in todo.values()]
+            pending = PendingFeatures(self, len(prompts), known, first, list(todo.values()), elsewhere)
+            self._inflight.update((p.key, pending) for p in first)
+        try:
             raws = None
             if first:
                 launch = getattr(self._impl, "launch", None)
                 raws = launch(*self._inputs(first)) if launch is not None else _Done(self._compute(first))
-            pending = PendingFeatures(self, len(prompts), known, first, list(todo.values()), raws, elsewhere)
-            self._inflight.update((p.key, pending) for p in first)
+        except BaseException as e:
+            pending._launched(None, e)
+            raise
+        pending._launched(raws)
         return pending
 
     def _landed(self, pending: "PendingFeatures") -> None:
@@ -381,17 +386,30 @@ class PendingFeatures:
     ``result()`` is called (which caches the newly computed ones). Prompts an earlier launch
     still computes are taken from it (``elsewhere``), not computed twice."""
 
-    def __init__(self, frontend: Frontend, n: int, known: dict, first: list, where: list, raws, elsewhere: dict):
-        self._fe, self._n, self._known, self._where, self._raws = frontend, n, known, where, raws
+    def __init__(self, frontend: Frontend, n: int, known: dict, first: list, where: list, elsewhere: dict):
+        self._fe, self._n, self._known, self._where = frontend, n, known, where
         self.computes = first  # the prompts this launch computes, one per key
         self._elsewhere = elsewhere  # index -> (the launch computing it, the prompt)
         self._features: dict[str, PromptFeatures] | None = None
+        # Set once the launch has queued (or, without a device, computed) its prompts: another
+        # thread's launch that takes a prompt from this one waits for that, not for a lock.
+        self._raws, self._error, self._queued = None, None, threading.Event()
+
+    def _launched(self, raws, error: BaseException | None = None) -> None:
+        self._raws, self._error = raws, error
+        if error is not None:
+            self._fe._landed(self)
+        self._queued.set()
 
     def ready(self) -> bool:
-        return (self._raws is None or self._raws.ready()) and all(o.ready() for o, _ in self._elsewhere.values())
+        return (self._queued.is_set() and (self._raws is None or self._raws.ready())
+                and all(o.ready() for o, _ in self._elsewhere.values()))
 
     def _own(self) -> dict[str, PromptFeatures]:
         """This launch's computed features by key (read, cached and released once)."""
+        self._queued.wait()
+        if self._error is not None:
+            raise self._error
         if self._features is None:
             try:
                 raws = self._raws.result() if self._raws is not None else []

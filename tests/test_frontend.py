@@ -171,3 +171,41 @@ def test_a_prompt_in_flight_is_not_computed_twice(model_dir, fixtures_dir):
     got = b.result()  # q1 computed here, alone
     assert torch.equal(got[0].speech_tokens, fe.prompt(_wav(fixtures_dir, "utt1")).speech_tokens)
     assert not fe2._inflight
+
+
+def test_launches_on_worker_threads_compute_side_by_side(model_dir, fixtures_dir):
+    """The CPU frontend runs on worker threads: one launch computing a prompt must not hold up
+    another launch's different prompt, and a launch of the same prompt waits for that one
+    instead of computing it again."""
+    import threading
+
+    fe = Frontend(model_dir, ModelConfig(), cache_size=8)
+    p1, p2 = fe.load(_wav(fixtures_dir, "utt1")), fe.load(_wav(fixtures_dir, "utt2"))
+    real, release, computed = fe._compute, threading.Event(), []
+
+    def compute(prompts):
+        computed.extend(p.source for p in prompts)
+        if prompts[0].key == p1.key:
+            assert release.wait(30), "p1's compute was never released"
+        return real(prompts)
+
+    fe._compute = compute
+    out = {}
+    t1 = threading.Thread(target=lambda: out.__setitem__("a", fe.features([p1])[0]))
+    t1.start()
+    for _ in range(3000):  # until t1's launch has registered p1 (at most 30 s)
+        if p1.key in fe._inflight:
+            break
+        threading.Event().wait(0.01)
+    assert p1.key in fe._inflight
+    t2 = threading.Thread(target=lambda: out.__setitem__("b", fe.features([p2])[0]))
+    t3 = threading.Thread(target=lambda: out.__setitem__("c", fe.features([p1])[0]))
+    t2.start()
+    t2.join(30)
+    assert not t2.is_alive() and "b" in out  # p2 computed while p1's compute is still blocked
+    t3.start()
+    release.set()
+    t1.join(30)
+    t3.join(30)
+    assert computed == [p1.source, p2.source]  # p1 once, although two launches asked for it
+    assert torch.equal(out["a"].speech_tokens, out["c"].speech_tokens)
