@@ -32,10 +32,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cosybatch.config import ModelConfig  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
+from profile_flow import kernel_table  # noqa: E402
 
 # the names of the profile key frontend.precision
 PRECISIONS = {"float32": (torch.float32, False), "3xtf32": (torch.float32, True), "bfloat16": (torch.bfloat16, False)}
@@ -72,8 +74,8 @@ def bench_ort(model_dir, loaded, n_ref, threads, budget):
                  "prompts_per_s": done / dt, "ms_per_prompt": dt / done * 1e3, "agree": 1.0, "emb_diff": 0.0}
 
 
-def kernel_table(fe, loaded, top: int) -> str:
-    """The ``top`` CUDA kernels of one ``raw_features(loaded)`` call by total time."""
+def kernels(fe, loaded, top: int, what: str) -> None:
+    """Print the ``top`` CUDA kernels of one ``raw_features(loaded)`` call by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     fe.raw_features(loaded)
@@ -81,10 +83,10 @@ def kernel_table(fe, loaded, top: int) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fe.raw_features(loaded)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    kernel_table(prof, what, top)
 
 
-def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, kernels=0):
+def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, top_kernels=0):
     dtype, split_tf32 = PRECISIONS[dtype_name]
     t = time.perf_counter()
     fe = Frontend(model_dir, ModelConfig(), backend="torch", device=device, dtype=dtype, split_tf32=split_tf32,
@@ -121,9 +123,8 @@ def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, ker
                      "ms_per_prompt": dt / done * 1e3, "agree": agree, "emb_diff": emb, "peak_mib": peak})
         print(f"  {label} {dtype_name} batch {b:3d}: {done / dt:8.1f} prompts/s, agree {agree:.4%}, emb {emb:.1e}",
               flush=True)
-    if kernels and device == "cuda":
-        print(f"# kernels, {dtype_name}, one call of {max(batches)} prompts:\n"
-              + kernel_table(fe, loaded[: max(batches)], kernels), flush=True)
+    if top_kernels and device == "cuda":
+        kernels(fe, loaded[: max(batches)], top_kernels, f"{dtype_name}, one call of {max(batches)} prompts")
     del fe
     return rows, {"backend": label, "dtype": dtype_name, "first_prompt_ms": first_ms, "startup_s": build_s}
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
 from cosybatch.config import ModelConfig  # noqa: E402
+from cosybatch.cuda_graphs import capture_graph  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.frontend_models.features import pad_frames, pad_rows, prompt_mel_batch, whisper_log_mel_batch  # noqa: E402
 from cosybatch.runtime import float32_math  # noqa: E402
@@ -42,15 +43,9 @@ def _time(fn, reps: int) -> float:
 
 
 def _graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up on a side stream, as capture requires
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """``fn`` captured as the pipeline captures its graphs; returns the replay."""
+    graph, _ = capture_graph(fn)
+    return graph.replay
 
 
 def main(argv=None) -> int:

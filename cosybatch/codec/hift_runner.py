@@ -137,7 +137,7 @@ class HiftRunner:
     repeat; defaults to 32 frames when graphs are used, 1 otherwise. ``bounded=False``
     keeps the whole history (the official recompute, for comparison and for configs where
     the phase shortcut does not apply). ``f0_gemm``: the float64 F0 predictor as GEMMs
-    (``codec.f0_gemm``; by default on CUDA, where cuDNN's float64 convs are slow).
+    (``codec.f0_gemm.F0Gemm``; None: on CUDA, where cuDNN's float64 convs are slow).
     """
 
     def __init__(self, hift: CausalHiFTGenerator, *, graphs: bool | dict = False,

@@ -13,15 +13,18 @@ for a single TF32 GEMM, which flips speech-tokenizer codes (measured: 99.35 % of
 kept, docs/performance.md). Strict float32 GEMMs run on the CUDA cores at ~1/7 of the TF32
 tensor cores' rate.
 
-Only the GEMMs inside :class:`SplitTF32Linear` run on TF32 (the switch is turned on around
-them and restored), so every other float32 op of the caller keeps its precision. On a CPU
-there is no TF32: the three products are plain float32 and equal ``F.linear`` to rounding.
+Only the GEMMs inside :class:`SplitTF32Linear` run on TF32 (``runtime.float32_math`` turns
+the switch on around them and restores it), so every other float32 op of the caller keeps its
+precision. On a CPU there is no TF32: the three products are plain float32 and equal
+``F.linear`` to rounding.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from cosybatch.runtime import float32_math
 
 _HIGH_BITS = -(1 << 13)  # int32 0xFFFFE000: sign, exponent and the top 10 mantissa bits
 
@@ -56,10 +59,7 @@ class SplitTF32Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_hi, x_lo = split(x.reshape(-1, shape[-1]).float())
-        cublas = torch.backends.cuda.matmul
-        before = cublas.allow_tf32
-        cublas.allow_tf32 = True
-        try:
+        with float32_math(conv_tf32=False, matmul_tf32=True):
             # smallest terms first, the exact-in-TF32 product last
             if self.bias is None:
                 y = x_lo @ self.w_hi_t
@@ -67,8 +67,6 @@ class SplitTF32Linear(nn.Module):
                 y = torch.addmm(self.bias, x_lo, self.w_hi_t)
             y.addmm_(x_hi, self.w_lo_t)
             y.addmm_(x_hi, self.w_hi_t)
-        finally:
-            cublas.allow_tf32 = before
         return y.view(*shape[:-1], self.out_features)
 
 
