@@ -38,6 +38,7 @@ from .progress import RunProgress, print_summary, stderr_console
 from .resume import ResumePlan, changed_message, fingerprint_sha, plan_resume
 from .row_records import base_record, ok_record, one_by_one
 from .sharding import ALL, Shard, select
+from .write_behind import WriteBehind
 from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, rates, read_ledgers,
                      remove_quietly, remove_stale_tmp, wav_size, write_wav_atomic)
 
@@ -91,8 +92,9 @@ def _out_lock(out_dir: Path, tag: str) -> Iterator[None]:
 
 
 class _Interrupts:
-    """SIGINT/SIGTERM raise ``Interrupted``, except inside ``commit()`` where they wait,
-    so a row's WAV and its ledger line are never separated by an interrupt."""
+    """SIGINT/SIGTERM raise ``Interrupted``, except inside ``commit()`` where they wait, so the
+    run's first and last records are never cut in half. (Rows are committed on the writer
+    thread, where signals never arrive.)"""
 
     def __init__(self) -> None:
         self._pending: int | None = None
@@ -268,6 +270,7 @@ class _Run:
         self.timing = TimingWriter(self.timing_path, self.interval, tag=self.shard.tag)
         self.signum: int | None = None  # the signal that interrupted the run
         self.stopped: str | None = None  # why the run stopped early (an output fault, a synthesizer crash)
+        self.synth_stats: dict[str, Any] = {}  # the synthesizer's own figures, read on the thread driving it
 
     @property
     def interrupted(self) -> bool:
@@ -285,10 +288,18 @@ class _Run:
                 "tokens": int(self.sums["tokens"]),
                 **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS
                    if k != "first_chunk_s" and k in self.reported},
-                **({"stage_busy_s": {k: round(v, 4) for k, v in self.synth.stage_busy().items()}}
-                   if hasattr(self.synth, "stage_busy") else {}),
-                **({"timeline": self.synth.timeline()} if hasattr(self.synth, "timeline") else {}),
+                **self.synth_stats,
                 "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
+
+    def read_synth_stats(self) -> None:
+        """Stage busy times and the timeline snapshot for timing.json. Only the thread that
+        drives the synthesizer may call it: the pipeline's accounting is not thread-safe."""
+        stats: dict[str, Any] = {}
+        if hasattr(self.synth, "stage_busy"):
+            stats["stage_busy_s"] = {k: round(v, 4) for k, v in self.synth.stage_busy().items()}
+        if hasattr(self.synth, "timeline"):
+            stats["timeline"] = self.synth.timeline()
+        self.synth_stats = stats
 
     def timing_doc(self, complete: bool) -> dict[str, Any]:
         sys_info = dict(self.system)
@@ -313,7 +324,7 @@ class _Run:
             try:
                 ledger = stack.enter_context(Ledger(self.ledger_path))
                 self._begin(ledger, intr)
-                self._rows_loop(ledger, intr)
+                self._rows_loop(ledger)
             except KeyboardInterrupt as e:
                 self._note_interrupt(e)
             except OutputFault as e:
@@ -333,6 +344,7 @@ class _Run:
         return EXIT_OK
 
     def _begin(self, ledger: Ledger, intr: _Interrupts) -> None:
+        self.read_synth_stats()
         with intr.commit():
             ledger.append({"event": "run_start", "fp": self.fp_sha, "fingerprint": self.fp,
                            "shard": str(self.shard), "argv": self.argv, "pid": os.getpid(),
@@ -342,27 +354,37 @@ class _Run:
                                "status": "invalid", "reason": "; ".join(p.reason for p in probs)})
             self.timing.write(self.timing_doc(False))
 
-    def _rows_loop(self, ledger: Ledger, intr: _Interrupts) -> None:
+    def _rows_loop(self, ledger: Ledger) -> None:
+        """Rows are committed (WAV, ledger line, timing.json now and then) on a writer thread,
+        in the order they finish, so their fsyncs overlap the synthesizer's next steps. Any way
+        out of here first commits every row already finished (``WriteBehind.__exit__``);
+        closing() then finishes the synthesizer's generator, not garbage collection later."""
         todo = self.plan.todo
         wanted, seen = {r.utt_id for r in todo}, set()
-        # closing(): on an interrupt or a fault the synthesizer's generator is finished here, not
-        # whenever garbage collection gets to it.
+
+        def commit(item: tuple[ManifestRow, Any, float | None]) -> None:
+            self._commit(*item, ledger, bar)
+            if self.timing.due():
+                self.timing.write(self.timing_doc(False))
+
         with RunProgress(len(todo), enabled=not self.quiet, console=self.console) as bar, \
-                contextlib.closing(self._outcomes(todo)) as outcomes:
+                contextlib.closing(self._outcomes(todo)) as outcomes, WriteBehind(commit) as behind:
             for row, outcome, elapsed in outcomes:
                 if row.utt_id not in wanted or row.utt_id in seen:
                     log.error("synthesizer returned an unexpected or repeated row %r; ignored", row.utt_id)
                     continue
                 seen.add(row.utt_id)
-                self._commit(row, outcome, elapsed, ledger, intr, bar)
-                if self.timing.due():
-                    self.timing.write(self.timing_doc(False))
+                if self.timing.due():  # the writer thread will rewrite timing.json after this row
+                    self.read_synth_stats()
+                behind.put((row, outcome, elapsed))
             for row in todo:  # a batch engine that lost a row must not lose it silently
                 if row.utt_id not in seen:
-                    self._failed(row, RuntimeError("the synthesizer returned no result"), ledger, intr, bar)
+                    behind.put((row, RuntimeError("the synthesizer returned no result"), None))
+            behind.drain()
 
     def _end(self, ledger: Ledger | None, intr: _Interrupts) -> dict[str, Any]:
         """Last ledger line and timing.json; after a fault each may fail again (quietly)."""
+        self.read_synth_stats()
         totals = self.totals()
         try:
             with intr.commit():
@@ -422,36 +444,33 @@ class _Run:
             return
         yield from one_by_one(self.synth, todo, self.stream)
 
-    def _commit(self, row: ManifestRow, res: Any, elapsed: float | None, ledger: Ledger,
-                intr: _Interrupts, bar: RunProgress) -> None:
+    def _commit(self, row: ManifestRow, res: Any, elapsed: float | None, ledger: Ledger, bar: RunProgress) -> None:
+        """On the writer thread, where no signal arrives: a row's WAV, its ledger line and its
+        counts are never separated by an interrupt."""
         if isinstance(res, BaseException):
-            self._failed(row, res, ledger, intr, bar)
+            self._failed(row, res, ledger, bar)
             return
         try:
             rec, audio = ok_record(row, res, elapsed, self.fp_sha)
         except Exception as e:
-            self._failed(row, e, ledger, intr, bar)
+            self._failed(row, e, ledger, bar)
             return
         sr, tokens, timings = rec["sample_rate"], rec["tokens"], rec["timings"]
         audio_s = len(audio) / sr
-        with intr.commit():
-            try:
-                rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype,
-                                                    tag=self.shard.tag)
-            except OSError as e:  # this one file's problem; a full disk is an OutputFault and stops the run
-                self._failed(row, e, ledger, intr, bar)
-                return
-            self._append_ok(rec, ledger)
-            # Counted inside the commit: a deferred Ctrl-C fires on exit, and the run_end
-            # totals must include the row whose ledger line was just written.
-            self.counts["ok"] += 1
-            self.sums["audio_s"] += audio_s
-            self.sums["tokens"] += tokens
-            for k in TIMING_KEYS:
-                if timings.get(k) is not None:
-                    self.sums[k] += timings[k]
-                    self.reported.add(k)
-            self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        try:
+            rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype, tag=self.shard.tag)
+        except OSError as e:  # this one file's problem; a full disk is an OutputFault and stops the run
+            self._failed(row, e, ledger, bar)
+            return
+        self._append_ok(rec, ledger)
+        self.counts["ok"] += 1
+        self.sums["audio_s"] += audio_s
+        self.sums["tokens"] += tokens
+        for k in TIMING_KEYS:
+            if timings.get(k) is not None:
+                self.sums[k] += timings[k]
+                self.reported.add(k)
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)
 
@@ -464,15 +483,13 @@ class _Run:
             remove_quietly(self.out / rec["wav"])
             raise
 
-    def _failed(self, row: ManifestRow, e: BaseException, ledger: Ledger, intr: _Interrupts,
-                bar: RunProgress) -> None:
+    def _failed(self, row: ManifestRow, e: BaseException, ledger: Ledger, bar: RunProgress) -> None:
         reason = f"{type(e).__name__}: {e}"[:1000]
         log.error("%s (line %d) failed: %s", row.utt_id, row.line, reason)
         log.debug("%s", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         rec = {**base_record(row, self.fp_sha), "status": "failed", "reason": reason}
-        with intr.commit():
-            ledger.append(rec)
-            self.counts["failed"] += 1
-            self.failed.append(row.utt_id)
-            self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        ledger.append(rec)
+        self.counts["failed"] += 1
+        self.failed.append(row.utt_id)
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         bar.advance(0.0)

@@ -6,6 +6,8 @@
 #        c64 c64cf c64seed full synth synthcache synthhost devices quick
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
+#        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
+#        unpacked there: a baseline commit in the same lease)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -42,6 +44,18 @@ busy = [x for x in v if x > 0]  # drop model load / capture idle before the run
 print(f"nvidia-smi utilization.gpu over {len(busy)} busy samples of 100 ms: mean {sum(busy) / max(1, len(busy)):.1f} %")
 PY
   tail -44 "$OUT/profile-$tag.txt"
+}
+synth_run() {  # tag: synth default --force-length over the 1,088 rows, no prompt cache
+  local tag=$1; log "$tag: synth default --force-length 1088 rows (package: $(python3 -c 'import cosybatch; print(cosybatch.__file__)'))"
+  rm -rf /tmp/$tag-out
+  ( time timeout 400 $CB synth $WL/meta.lst --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet ) \
+    > "$OUT/$tag.txt" 2>&1; echo "rc=$?" >> "$OUT/$tag.txt"; tail -5 "$OUT/$tag.txt"
+  python3 - /tmp/$tag-out/timing.json <<'PY' | tee -a "$OUT/$tag.txt"
+import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
+print({k: t.get(k) for k in ("ok", "failed", "wall_s", "audio_s", "audio_s_per_s")})
+print("busy", tl.get("busy_share"), "idle", tl.get("gpu_idle_share"), "host", tl.get("host_busy_ms_per_iteration"))
+PY
+  cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
 }
 for step in "$@"; do
   case $step in
@@ -100,14 +114,10 @@ for step in "$@"; do
     c64) setup; prof c64 packed_streaming_c64 64 1088 64 ;;
     c64cf) setup; prof c64cf packed_streaming_c64_chunk_final 64 1088 64 ;;
     full) setup; prof full256 default 256 1088 64 ;;
-    synth) setup; log "synth default --force-length 1088 rows"
-      rm -rf /tmp/synth-out
-      ( time timeout 400 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-out --device cuda --force-length --quiet ) \
-        > "$OUT/synth.txt" 2>&1; echo "rc=$?" >> "$OUT/synth.txt"; tail -5 "$OUT/synth.txt"
-      python3 - <<'PY' | tee -a "$OUT/synth.txt"
-import json; t = json.load(open("/tmp/synth-out/timing.json"))["totals"]; print(json.dumps(t, indent=1))
-PY
-      cp /tmp/synth-out/timing.json "$OUT/synth-timing.json" ;;
+    synth) setup; synth_run synth ;;
+    synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
+      [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
+      ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do rm -rf /tmp/synth-$run
         ( time timeout 300 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-$run --device cuda --force-length --quiet \

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -458,3 +459,32 @@ def test_unwritable_out_is_a_run_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(RunError, match="cannot create output folder"):
         _run(man, FakeSynth(), tmp_path / "file" / "out")
+
+
+def test_rows_are_committed_while_the_synthesizer_goes_on(tmp_path, monkeypatch):
+    """A row's WAV is written beside the synthesizer's next step, not between two steps: the
+    first write waits until the synthesizer has been asked for the next row. Committing on
+    the synthesizer's thread would never get there (the wait times out and the test fails)."""
+    man = make_manifest(tmp_path, 4)
+    asked_again = threading.Event()
+    waited = []
+    real_write = runner_mod.write_wav_atomic
+
+    def write_when_asked_again(*a, **kw):
+        if not waited:
+            waited.append(asked_again.wait(5))
+        return real_write(*a, **kw)
+
+    class Batch(FakeSynth):
+        def synthesize_batch(self, rows, stream):
+            for i, row in enumerate(rows):
+                if i == 1:
+                    asked_again.set()
+                yield row, FakeSynth.synthesize(self, row, stream)
+
+    monkeypatch.setattr(runner_mod, "write_wav_atomic", write_when_asked_again)
+    out = tmp_path / "out"
+    rep = _run(man, Batch(), out)
+    assert waited == [True]
+    assert rep.exit_code == 0 and _ok_ids(out) == ["u0", "u1", "u2", "u3"]
+    assert _ledger(out)[-1]["event"] == "run_end" and _ledger(out)[-1]["ok"] == 4
