@@ -98,7 +98,7 @@ class FastPipeline:
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
-        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct)
+        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch)
         self._rows: dict[str, _Row] = {}
         self._events: list[Event] = []
         self._order = 0
@@ -233,7 +233,7 @@ class FastPipeline:
 
     def _admit(self, wait: bool = False) -> bool:
         """Rows whose prompt work is done start their first segment (``timeline/prompt_work``)."""
-        ready, failed, progressed = self.prompts.take(wait)
+        ready, failed, progressed = self.prompts.take(wait, self.engine.waiting_rows)
         for rid, e in failed:
             self._error(rid, e)
         for req, feats, text in ready:

@@ -6,6 +6,8 @@
 #        c64 c64cf c64seed full synth synthcache synthhost devices quick
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
+#        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
+#        machine would otherwise compile inside its measured window), synthset=KEY=VALUE,
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
@@ -45,10 +47,11 @@ print(f"nvidia-smi utilization.gpu over {len(busy)} busy samples of 100 ms: mean
 PY
   tail -44 "$OUT/profile-$tag.txt"
 }
-synth_run() {  # tag: synth default --force-length over the 1,088 rows, no prompt cache
-  local tag=$1; log "$tag: synth default --force-length 1088 rows (package: $(python3 -c 'import cosybatch; print(cosybatch.__file__)'))"
+synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (the 1,088 rows), no prompt cache
+  local tag=$1 man=${2:-$WL/meta.lst}; shift; shift
+  log "$tag: synth default --force-length $man $* (package: $(python3 -c 'import cosybatch; print(cosybatch.__file__)'))"
   rm -rf /tmp/$tag-out
-  ( time timeout 400 $CB synth $WL/meta.lst --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet ) \
+  ( time timeout 400 $CB synth $man --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet "$@" ) \
     > "$OUT/$tag.txt" 2>&1; echo "rc=$?" >> "$OUT/$tag.txt"; tail -5 "$OUT/$tag.txt"
   python3 - /tmp/$tag-out/timing.json <<'PY' | tee -a "$OUT/$tag.txt"
 import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
@@ -115,6 +118,8 @@ for step in "$@"; do
     c64cf) setup; prof c64cf packed_streaming_c64_chunk_final 64 1088 64 ;;
     full) setup; prof full256 default 256 1088 64 ;;
     synth) setup; synth_run synth ;;
+    synthwarm) setup; head -n 128 $WL/meta.lst > $WL/m128.lst; synth_run synthwarm $WL/m128.lst ;;  # Triton's JIT cache
+    synthset=*) setup; kv=${step#synthset=}; synth_run "synth-${kv//[^A-Za-z0-9_.-]/_}" $WL/meta.lst --set "$kv" ;;
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first

@@ -393,3 +393,5 @@ def test_frontend_device_and_precision():
     assert err("default", ["frontend.precision=fp16"]) == ("--set frontend.precision=fp16: frontend.precision: "
                                                            "expected one of 'float32', '3xtf32', 'bfloat16', got str 'fp16'")
     assert "frontend.precision=3xtf32 (from " in err("default", ["engine=reference", "mode=full"])
+    assert f.batch == 64 and resolve(load_profile("default", ["frontend.batch=16"]), cfg, cpu).frontend.batch == 16
+    assert err("default", ["frontend.batch=0"]) == "--set frontend.batch=0: frontend.batch: must be >= 1, got 0"

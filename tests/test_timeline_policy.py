@@ -3,8 +3,8 @@
 import math
 
 from cosybatch.timeline.costs import CostModel
-from cosybatch.timeline.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, pick_jobs, plan,
-                                       worth_starting)
+from cosybatch.timeline.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, launch_prompts,
+                                       pick_jobs, plan, worth_starting)
 
 COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
 # solve_tokens=0: every ready hop is worth a solve at once (the waiting rule has its own test)
@@ -214,3 +214,12 @@ def test_budget_grows_while_few_rows_decode_when_asked():
     assert plan(0.0, grow, COSTS, True, solve, [], [], ar_rows=32).flow_steps == 4
     assert plan(0.0, grow, COSTS, True, solve, [], [], ar_rows=16).flow_steps == 8
     assert plan(0.0, STREAM, COSTS, True, solve, [], [], ar_rows=16).flow_steps == 4
+
+
+def test_prompts_launch_in_full_batches_while_the_engine_has_rows_queued():
+    # (gathered, backlog) -> launch, batch 64
+    golden = {(0, 0): False, (1, 0): True, (5, 63): True, (5, 64): False, (63, 200): False, (64, 200): True,
+              (100, 200): True}
+    assert {k: launch_prompts(*k, batch=64) for k in golden} == golden
+    # batch 1: every prompt at once, whatever is queued (the latency setting)
+    assert launch_prompts(1, 10_000, batch=1) and not launch_prompts(0, 0, batch=1)

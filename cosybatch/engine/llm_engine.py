@@ -168,6 +168,11 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     @property
+    def waiting_rows(self) -> int:
+        """Sequences admitted to the engine that wait for a row of the decode batch."""
+        return len(self.scheduler.waiting)
+
+    @property
     def in_flight(self) -> bool:
         return self._inflight is not None
 

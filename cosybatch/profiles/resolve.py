@@ -44,6 +44,7 @@ class FrontendSettings:
     backend: str  # "auto", "torch" or "onnxruntime"
     dtype: torch.dtype
     split_tf32: bool
+    batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
 
 
 def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
@@ -51,7 +52,7 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
         raise ProfileError(f"frontend.device=cuda needs a CUDA device, the run uses {device.type}")
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
-    return FrontendSettings(backend, dtype, f.precision == "3xtf32")
+    return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class FrontendProfile:
     # with the tokenizer's GEMMs as three TF32 products each: float32-grade codes at
     # tensor-core speed; strict float32 on a CPU), bfloat16 (fastest; moves ~8 % of codes)
     precision: Literal["float32", "3xtf32", "bfloat16"] = "float32"
+    # GPU frontend: prompts gathered into one launch while the AR engine has at least that
+    # many rows queued (with fewer, what has loaded launches at once: those rows are needed)
+    batch: int = 64
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ RANGES: dict[str, tuple[Any, str]] = {
                                             "must be a list of [requests, frames] pairs >= 1"),
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
     "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
+    "frontend.batch": (lambda v: v >= 1, "must be >= 1"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),

@@ -2,10 +2,12 @@
 
 Prompt audio is read and resampled on worker threads that never touch CUDA (with a CPU
 frontend, onnxruntime computes the features there too). With a GPU frontend, the prompts the
-workers have loaded are batched here, on the pipeline's thread, as one frontend slice per
-``take``: launched in one iteration and read back in a later one, once their copies have
-landed, so reading them never drains the GPU's queue (design.md D15). A batch that fails is
-redone prompt by prompt, and only a prompt that fails alone fails its row.
+workers have loaded are gathered here, on the pipeline's thread, and launched as one frontend
+slice when ``policy.launch_prompts`` says (a full batch, or the AR engine is running short of
+rows); prompts whose features were cached pass at once. A slice is launched in one iteration
+and read back in a later one, once its copies have landed, so reading it never drains the
+GPU's queue (design.md D15). A batch that fails is redone prompt by prompt, and only a prompt
+that fails alone fails its row.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from typing import Any
 
 from cosybatch.requests import SynthRequest
 from cosybatch.timeline.accounting import Accounting
+from cosybatch.timeline.policy import launch_prompts
 
 
 class PromptWork:
-    def __init__(self, frontend, workers: int, on_device: bool, acct: Accounting):
+    def __init__(self, frontend, workers: int, on_device: bool, acct: Accounting, batch: int = 1):
         self.frontend = frontend
         self.on_device = on_device  # the frontend's models run here, batched (else in the workers)
         self.acct = acct
+        self.batch = batch  # prompts per launch while the engine has as many rows queued
+        self._gathered: list[tuple] = []  # loaded, not launched: (request, LoadedPrompt, TextInputs)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cosybatch-frontend")
         self._wake = threading.Condition()
         self.preparing: dict[str, tuple[SynthRequest, Future]] = {}
@@ -39,7 +44,7 @@ class PromptWork:
         return self._busy_s
 
     def has_work(self) -> bool:
-        return bool(self.preparing or self._launched)
+        return bool(self.preparing or self._gathered or self._launched)
 
     @property
     def launched(self) -> bool:
@@ -51,10 +56,11 @@ class PromptWork:
         fut.add_done_callback(lambda _: self._notify())
         self.preparing[req.request_id] = (req, fut)
 
-    def take(self, wait: bool = False) -> tuple[list[tuple], list[tuple[str, Exception]], bool]:
+    def take(self, wait: bool = False, backlog: int = 0) -> tuple[list[tuple], list[tuple[str, Exception]], bool]:
         """(rows ready to start as (request, PromptFeatures, TextInputs), rows that failed as
-        (request id, error), whether anything moved). ``wait`` (the pipeline is idle): wait
-        for the oldest launched batch rather than poll it."""
+        (request id, error), whether anything moved). ``backlog``: rows the AR engine has
+        queued (admitted, not running). ``wait`` (the pipeline is idle): launch what has
+        gathered, and wait for the oldest launched batch rather than poll it."""
         done = [rid for rid, (_, f) in self.preparing.items() if f.done()]
         ready, failed = [], []
         for rid in done:
@@ -65,8 +71,16 @@ class PromptWork:
                 failed.append((rid, e))
         if not self.on_device:
             return ready, failed, bool(done)
-        if ready:
-            self._launch(ready)
+        self._gathered += ready
+        on_the_way = sum(len(rows) for rows, _ in self._launched)
+        if self._gathered and (wait or launch_prompts(len(self._gathered), backlog + on_the_way, self.batch)):
+            self._launch(self._gathered)
+            self._gathered = []
+        else:
+            hits = [r for r in self._gathered if r[1].cached is not None]  # no device work to wait for
+            if hits:
+                self._gathered = [r for r in self._gathered if r[1].cached is None]
+                self._launch(hits)
         ready = []
         while self._launched and (wait or self._launched[0][1] is None or self._launched[0][1].ready()):
             ready += self._read(*self._launched.popleft(), failed)

@@ -1,0 +1,96 @@
+"""PromptWork with a GPU frontend: prompts gather into full launches while the AR engine has
+rows queued, cached prompts pass at once, and an idle pipeline launches what it has."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cosybatch.requests import SynthRequest
+from cosybatch.timeline.accounting import Accounting
+from cosybatch.timeline.prompt_work import PromptWork
+
+
+@dataclass
+class _Loaded:
+    source: str
+    cached: object = None
+
+
+@dataclass
+class _Row:
+    utt_id: str
+    prompt_wav: str
+    prompt_text: str = "p"
+    target_text: str = "t"
+
+
+class _Frontend:
+    def __init__(self, cached: set[str]):
+        self.cached, self.launches = cached, []
+
+    def load(self, path):
+        return _Loaded(path, "features" if path in self.cached else None)
+
+    def prepare(self, prompt_text, target_text):
+        return "text"
+
+    def launch_features(self, prompts):
+        self.launches.append(sorted(p.source for p in prompts))
+
+        class Done:
+            def ready(self):
+                return True
+
+            def result(self):
+                return [p.source for p in prompts]
+        return Done()
+
+
+def _work(cached=(), batch=4):
+    fe = _Frontend(set(cached))
+    return fe, PromptWork(fe, workers=2, on_device=True, acct=Accounting(torch.device("cpu")), batch=batch)
+
+
+def _add(work, names):
+    for n in names:
+        work.add(SynthRequest(n, _Row(n, n)))
+    deadline = time.monotonic() + 10
+    while any(not f.done() for _, f in work.preparing.values()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _ids(ready):
+    return sorted(req.request_id for req, _, _ in ready)
+
+
+def test_prompts_gather_while_the_engine_has_a_full_batch_queued():
+    fe, work = _work(cached={"c1"})
+    try:
+        _add(work, ["a", "b", "c1"])
+        ready, failed, moved = work.take(backlog=10)
+        assert fe.launches == [["c1"]] and moved and not failed  # the cached prompt passes at once
+        assert _ids(ready) == ["c1"] and work.has_work()
+        _add(work, ["d"])
+        assert work.take(backlog=10)[0] == [] and fe.launches == [["c1"]]  # three of four gathered
+        _add(work, ["e"])
+        ready, _, _ = work.take(backlog=10)  # a full batch: one launch of all four
+        assert fe.launches[-1] == ["a", "b", "d", "e"] and _ids(ready) == ["a", "b", "d", "e"]
+        assert not work.has_work()
+    finally:
+        work.close()
+
+
+def test_a_short_engine_queue_or_an_idle_pipeline_launches_what_has_gathered():
+    fe, work = _work()
+    try:
+        _add(work, ["a"])
+        assert _ids(work.take(backlog=3)[0]) == ["a"]  # fewer than a batch queued ahead: needed now
+        _add(work, ["b", "c"])
+        assert work.take(backlog=4)[0] == []
+        assert _ids(work.take(wait=True, backlog=4)[0]) == ["b", "c"]  # idle: nothing to gather for
+        assert fe.launches == [["a"], ["b", "c"]]
+    finally:
+        work.close()
