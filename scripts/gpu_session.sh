@@ -8,6 +8,7 @@
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
 #        machine would otherwise compile inside its measured window), synthset=KEY=VALUE,
+#        (SYNTH_ARGS: more arguments for every synth run, e.g. "--set codec.frontend_workers=2")
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
@@ -51,7 +52,7 @@ synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (t
   local tag=$1 man=${2:-$WL/meta.lst}; shift; shift
   log "$tag: synth default --force-length $man $* (package: $(python3 -c 'import cosybatch; print(cosybatch.__file__)'))"
   rm -rf /tmp/$tag-out
-  ( time timeout 400 $CB synth $man --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet "$@" ) \
+  ( time timeout 400 $CB synth $man --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet ${SYNTH_ARGS:-} "$@" ) \
     > "$OUT/$tag.txt" 2>&1; echo "rc=$?" >> "$OUT/$tag.txt"; tail -5 "$OUT/$tag.txt"
   python3 - /tmp/$tag-out/timing.json <<'PY' | tee -a "$OUT/$tag.txt"
 import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
@@ -126,7 +127,7 @@ for step in "$@"; do
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do rm -rf /tmp/synth-$run
         ( time timeout 300 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-$run --device cuda --force-length --quiet \
-            --prompt-cache /tmp/pc ) > "$OUT/synth-$run.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-$run.txt"
+            --prompt-cache /tmp/pc ${SYNTH_ARGS:-} ) > "$OUT/synth-$run.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-$run.txt"
         cp /tmp/synth-$run/timing.json "$OUT/synth-$run-timing.json"
         python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['totals']; print(sys.argv[2], {k: t.get(k) for k in ('ok','failed','wall_s','audio_s','audio_s_per_s')})" \
           /tmp/synth-$run/timing.json $run | tee -a "$OUT/synth-$run.txt"; done ;;

@@ -202,6 +202,23 @@ def test_accounting_splits_iterations_into_own_work_and_waits():
     assert 4 <= s["host_busy_ms_per_iteration"]["p50"] < 15
 
 
+def test_accounting_reports_the_host_time_spent_queueing_each_kind_of_slice():
+    import time
+
+    import torch
+
+    from cosybatch.timeline.accounting import Accounting
+
+    acct = Accounting(torch.device("cpu"))
+    for _ in range(2):
+        t = acct.start("frontend")
+        time.sleep(0.01)
+        acct.end(t)
+    acct.cancel(acct.start("hift"))  # queued nothing: not counted
+    q = acct.summary()["slice_queue_ms"]
+    assert set(q) == {"frontend"} and 20 <= q["frontend"] < 60
+
+
 def test_budget_grows_while_few_rows_decode_when_asked():
     """``budget_max_ms``: an AR step serving a quarter of its capacity leaves the codec four
     times the budget, never more than the cap and never less than the base; off by default."""

@@ -5,7 +5,8 @@ once the end event has completed (``poll`` never blocks), so measuring costs the
 event records per slice and never a sync. On the CPU the work is synchronous and wall time is
 the slice's time. ``summary`` gives what tells the next optimisation where to go: AR step
 p50/p90 inside the pipeline, GPU busy share per slice kind and idle share, host milliseconds
-per iteration.
+per iteration, and the host milliseconds spent queueing each kind of slice (a slice whose GPU
+time is close to its queueing time kept the GPU waiting for the host).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Accounting:
         self._free: list = []
         self._open: deque = deque()  # (kind, start, end, on_done) in queue order
         self.ms: dict[str, list[float]] = defaultdict(list)
+        # host time spent queueing each slice: close to its GPU time means the GPU waited for the host
+        self.queue_ms: dict[str, float] = defaultdict(float)
         self.host_ms: list[float] = []
         self.wait_ms: list[float] = []  # per iteration: host time blocked on the GPU
         self._waiting = 0.0
@@ -38,11 +41,13 @@ class Accounting:
         if self.cuda:
             ev = self._event()
             ev.record()
-            return (kind, ev, on_done)
-        return (kind, time.perf_counter(), on_done)
+            return (kind, ev, on_done, time.perf_counter())
+        t = time.perf_counter()
+        return (kind, t, on_done, t)
 
     def end(self, token) -> None:
-        kind, start, on_done = token
+        kind, start, on_done, t0 = token
+        self.queue_ms[kind] += (time.perf_counter() - t0) * 1e3
         if self.cuda:
             ev = self._event()
             ev.record()
@@ -81,6 +86,7 @@ class Accounting:
     def reset(self) -> None:
         """Start a new window (slices still open are counted in it)."""
         self.ms.clear()
+        self.queue_ms.clear()
         self.host_ms.clear()
         self.wait_ms.clear()
         self._t0 = time.perf_counter()
@@ -108,6 +114,7 @@ class Accounting:
                                  "mean": round(float(ar.mean()), 4), "count": int(ar.size)}
         out["slice_ms"] = {k: {"total": round(sum(v), 3), "count": len(v), "mean": round(sum(v) / len(v), 4)}
                            for k, v in sorted(self.ms.items()) if v}
+        out["slice_queue_ms"] = {k: round(v, 3) for k, v in sorted(self.queue_ms.items()) if v}
         out["busy_share"] = {k: round(v / wall, 4) for k, v in sorted(busy.items())} if wall > 0 else {}
         out["gpu_idle_share"] = round(max(0.0, 1.0 - sum(busy.values()) / wall), 4) if wall > 0 and self.cuda else None
         if self.host_ms:
