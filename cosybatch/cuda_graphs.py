@@ -62,6 +62,7 @@ class GraphPool:
     def __init__(self, share: bool = True):
         self.share = share
         self._pool = None
+        self._anchor = None
         self._stream = None
 
     def capture(self, fn: Callable[[], Any], warmup: int = 1) -> tuple["torch.cuda.CUDAGraph", Any]:
@@ -69,12 +70,17 @@ class GraphPool:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         try:
+            if self.share and self._pool is None:
+                # The allocator counts the graphs alive in a private pool; once the count is 0
+                # (every graph in it evicted) a capture into that pool fails an internal assert,
+                # unless torch.cuda.graph's cache emptying, which this module skips, has freed
+                # the pool. A tiny graph that is never replayed keeps the count above 0.
+                self._anchor, _ = capture_graph(lambda: torch.zeros(1, device="cuda"), stream=self._stream, warmup=0)
+                self._pool = self._anchor.pool()
             graph, out = capture_graph(fn, pool=self._pool, stream=self._stream, warmup=warmup)
         except BaseException:
-            self._pool = self._stream = None
+            self._pool = self._anchor = self._stream = None
             raise
-        if self.share and self._pool is None:
-            self._pool = graph.pool()
         return graph, out
 
 

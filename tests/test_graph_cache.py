@@ -192,6 +192,24 @@ def test_cuda_lru_eviction_at_capacity():
 
 
 @pytest.mark.gpu
+def test_cuda_captures_after_every_graph_of_the_pool_was_evicted(caplog):
+    """Capacity 1: each new shape evicts the only graph in the shared pool. Without the pool's
+    anchor graph the allocator's count of live graphs in it drops to 0 and the next capture
+    fails an internal assert (it then runs eager, with a warning)."""
+    dev = _cuda()
+    fn = _net(dev)
+    cache = GraphCache(fn, capacity=1, capture_after=1, backend=CudaGraphBackend())
+    with caplog.at_level(logging.WARNING, logger="cosybatch.graph_cache"):
+        for n in (50, 60, 70, 50):
+            x = torch.randn(1, 8, n, device=dev)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(cache(x), fn(x), rtol=0, atol=1e-6)
+            torch.testing.assert_close(cache(x), fn(x), rtol=0, atol=1e-6)  # a replay
+    assert "capture failed" not in caplog.text
+    assert cache.stats.failures == 0 and cache.stats.captures == 4 and cache.stats.evictions == 3
+
+
+@pytest.mark.gpu
 def test_cuda_capture_failure_is_survived(caplog):
     dev = _cuda()
     base = _net(dev)
