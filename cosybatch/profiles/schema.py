@@ -61,7 +61,8 @@ class CodecProfile:
     solve_tokens: int | None = None
     first_wait_ms: float = 50.0
     max_wait_ms: float = 250.0
-    # Threads that compute prompt features (ONNX tokenizer, CAM++, mels) ahead of admission.
+    # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with
+    # the onnxruntime frontend also run its models (the GPU frontend's run on the pipeline's thread).
     frontend_workers: int = 4
 
 
