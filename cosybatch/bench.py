@@ -254,8 +254,10 @@ def result_table(result: BenchResult, title: str):
         rows.append(("AR decode step in the pipeline p50 / p90 (ms)", f"{a['p50']:.2f} / {a['p90']:.2f}"))
     if tl.get("gpu_idle_share") is not None:
         rows.append(("GPU idle share of wall", f"{tl['gpu_idle_share']:.0%}"))
+    queue = tl.get("slice_queue_ms") or {}
     for k, v in (tl.get("busy_share") or {}).items():
-        rows.append((f"GPU busy: {k} (share of wall)", f"{v:.0%}"))
+        q = f", host queueing it {queue[k] / 1e3 / result.wall_s:.0%}" if k in queue and result.wall_s else ""
+        rows.append((f"GPU busy: {k} (share of wall)", f"{v:.0%}{q}"))
     if "host_ms_per_iteration" in tl:
         rows.append(("host ms per iteration p50 / mean", "{p50:.2f} / {mean:.2f}".format(**tl["host_ms_per_iteration"])))
     if "host_busy_ms_per_iteration" in tl:

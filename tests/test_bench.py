@@ -318,3 +318,19 @@ def test_gpu_memory_is_recorded():
     assert g["max_allocated_gib"] >= 1.0  # 4 steps x 256 MiB
     assert g["device_max_used_gib"] >= g["max_allocated_gib"] * 0.9
     assert g["device_total_gib"] > g["device_max_used_gib"]
+
+
+def test_the_table_shows_each_slice_kinds_gpu_share_beside_the_host_time_queueing_it():
+    from rich.console import Console
+
+    from cosybatch.bench import result_table
+
+    clock = FakeClock()
+    res = run_closed_loop(FakePipeline(clock), reqs(2), concurrency=2, num_warmups=0, clock=clock)
+    res.timeline = {"busy_share": {"hift": 0.2, "flow_step": 0.5},
+                    "slice_queue_ms": {"hift": res.wall_s * 0.18e3, "flow_step": res.wall_s * 0.02e3}}
+    console = Console(width=200, record=True)
+    console.print(result_table(res, "t"))
+    text = console.export_text()
+    assert "GPU busy: hift (share of wall)" in text and "20%, host queueing it 18%" in text
+    assert "50%, host queueing it 2%" in text
