@@ -34,6 +34,7 @@ it is not given it is computed here, in float64.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -220,10 +221,7 @@ class DeviceFrontend:
             # side branch starts behind all work queued on ``main`` and ``main`` waits for it
             # before anything else, so memory freed on either side is never still in use.
             self._side.wait_stream(main)
-            with torch.cuda.stream(self._side):
-                emb = self.campplus(fbank, fb_dev, padded=pad_fb).float()
-                mel, _ = prompt_mel_batch(xm, lm, self.mel_cfg)
-        else:
+        with torch.cuda.stream(self._side) if main is not None else contextlib.nullcontext():
             emb = self.campplus(fbank, fb_dev, padded=pad_fb).float()
             mel, _ = prompt_mel_batch(xm, lm, self.mel_cfg)
         feats, frames_dev = whisper_log_mel_batch(x16, l16, self.n_mels)
