@@ -128,12 +128,7 @@ for step in "$@"; do
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
-      rm -rf /tmp/pc; for run in cold cached; do rm -rf /tmp/synth-$run
-        ( time timeout 300 $CB synth $WL/meta.lst --model $CKPT --out /tmp/synth-$run --device cuda --force-length --quiet \
-            --prompt-cache /tmp/pc ${SYNTH_ARGS:-} ) > "$OUT/synth-$run.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-$run.txt"
-        cp /tmp/synth-$run/timing.json "$OUT/synth-$run-timing.json"
-        python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['totals']; print(sys.argv[2], {k: t.get(k) for k in ('ok','failed','wall_s','audio_s','audio_s_per_s')})" \
-          /tmp/synth-$run/timing.json $run | tee -a "$OUT/synth-$run.txt"; done ;;
+      rm -rf /tmp/pc; for run in cold cached; do synth_run synth-$run $WL/meta.lst --prompt-cache /tmp/pc; done ;;
     synthhost) setup; log "synth default --force-length under cProfile (the scheduling thread): where its host time goes"
       rm -rf /tmp/synth-host
       timeout 400 python3 -m cProfile -o "$OUT/synth-host.pstats" -m cosybatch synth $WL/meta.lst --model $CKPT \
