@@ -37,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cosybatch.config import ModelConfig  # noqa: E402
 from cosybatch.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
+from cosybatch.profiles.resolve import resolve_frontend  # noqa: E402
+from cosybatch.profiles.schema import FrontendProfile  # noqa: E402
 from profile_flow import kernel_table  # noqa: E402
 
-# the names of the profile key frontend.precision
-PRECISIONS = {"float32": (torch.float32, False), "3xtf32": (torch.float32, True), "bfloat16": (torch.bfloat16, False)}
+PRECISIONS = ("float32", "3xtf32", "bfloat16")  # the values of the profile key frontend.precision
 
 
 def _sync(device: str) -> None:
@@ -87,7 +88,8 @@ def kernels(fe, loaded, top: int, what: str) -> None:
 
 
 def bench_torch(model_dir, loaded, ref, device, dtype_name, batches, budget, top_kernels=0):
-    dtype, split_tf32 = PRECISIONS[dtype_name]
+    f = resolve_frontend(FrontendProfile(precision=dtype_name), torch.device(device))  # as a profile resolves it
+    dtype, split_tf32 = f.dtype, f.split_tf32
     t = time.perf_counter()
     fe = Frontend(model_dir, ModelConfig(), backend="torch", device=device, dtype=dtype, split_tf32=split_tf32,
                   cache_size=0, max_batch=max(batches))
