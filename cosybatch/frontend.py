@@ -134,6 +134,7 @@ class Frontend:
         fbank: str = "cpu",
         warmup: bool = True,
         split_tf32: bool = False,
+        row_bucket: int = 1,
     ):
         self.model_dir = Path(model_dir)
         self.cfg = cfg
@@ -142,7 +143,7 @@ class Frontend:
             raise ValueError(f"fbank must be 'cpu' (reference arithmetic, in load) or 'device', got {fbank!r}")
         self._fbank_in_load = fbank == "cpu"
         batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s,
-                    "split_tf32": split_tf32}
+                    "split_tf32": split_tf32, "row_bucket": row_bucket}
         self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
                                                        onnx_threads, batch_kw)
         self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtFrontend" else "torch"

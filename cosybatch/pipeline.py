@@ -102,7 +102,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
     f = settings.frontend
     frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
-                        cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache)
+                        row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache)
     return FastPipeline(models, frontend, settings, device)
 
 

@@ -81,7 +81,7 @@ class FastPipeline:
         codec_cfg = settings.codec
         self.engine = LLMEngine(models.llm, settings.engine)
         hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False, max_batch=codec_cfg.max_num_seqs,
-                          fused_snake=codec_cfg.triton_kernels)
+                          frame_bucket=codec_cfg.hift_frame_bucket, fused_snake=codec_cfg.triton_kernels)
         if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
             n = hift.precapture(codec_cfg.hift_graph_precapture)
             log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(codec_cfg.hift_graph_precapture))

@@ -254,6 +254,17 @@ def test_graph_path_with_fake_backend_equals_eager(hift):
     assert backend.captures >= 1 and graphed.graphs.stats.hits >= 1
 
 
+def test_coarse_frame_buckets_change_nothing(hift):
+    """Eager windows padded to a multiple of 64 frames (the padding is masked) give the exact
+    windows' audio (``optimizations.hift_frame_bucket``)."""
+    padded, exact = HiftRunner(hift, frame_bucket=64), HiftRunner(hift)
+    assert (padded.frame_bucket, exact.frame_bucket) == (64, 1)
+    mels = [random_mel(n, n) for n in (40, 50, 70)]
+    jobs = [HiftJob(("b", i), m, True) for i, m in enumerate(mels)]
+    for x, y in zip(padded.run(jobs), exact.run(jobs)):
+        _wave(x, y, "bucket 64")
+
+
 def test_precapture_serves_the_first_request(hift):
     from test_graph_cache import FakeBackend
 

@@ -196,6 +196,25 @@ def test_fast_campplus_and_bucketing_change_nothing(standins):
         assert (a.embedding - c.embedding).abs().max() <= 1e-3  # float64 fbank vs the reference's float32
 
 
+def test_row_buckets_change_nothing(standins):
+    """``row_bucket``: a launch of 3 prompts padded to 8 rows with copies of the last (their
+    results dropped) gives each prompt what the exact 3-row launch gives."""
+    outs = {}
+    for rb in (1, 8):
+        fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0, row_bucket=rb)
+        impl, rows = fe._impl, []
+        run = impl._features
+        impl._features = lambda x16, *a: rows.append(x16.shape[0]) or run(x16, *a)
+        loaded = [fe.load_waveform(_wav16(s, 130 + i), 16000, f"w{i}") for i, s in enumerate(SECONDS[:3])]
+        outs[rb] = fe.raw_features(loaded)
+        assert rows == [3 if rb == 1 else 8]  # the batch the models ran
+    assert len(outs[8]) == 3
+    for a, b in zip(outs[1], outs[8]):
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.embedding - b.embedding).abs().max() <= 1e-5
+        assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
+
+
 def test_the_graphed_path_equals_the_exact_path(standins):
     """Chunks of at most ``graph_rows`` prompts run the models' masked path (what a CUDA graph
     captures, whether or not a row is padded) and come back packed in one tensor: the same

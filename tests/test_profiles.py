@@ -395,3 +395,7 @@ def test_frontend_device_and_precision():
     assert "frontend.precision=3xtf32 (from " in err("default", ["engine=reference", "mode=full"])
     assert f.batch == 64 and resolve(load_profile("default", ["frontend.batch=16"]), cfg, cpu).frontend.batch == 16
     assert err("default", ["frontend.batch=0"]) == "--set frontend.batch=0: frontend.batch: must be >= 1, got 0"
+    assert f.row_bucket == 1 and resolve(load_profile("default", ["frontend.row_bucket=8"]), cfg, cpu).frontend.row_bucket == 8
+    assert err("default", ["frontend.row_bucket=0"]) == "--set frontend.row_bucket=0: frontend.row_bucket: must be >= 1, got 0"
+    codec = lambda *kv: resolve(load_profile("default", list(kv)), cfg, cpu).codec  # noqa: E731
+    assert codec().hift_frame_bucket is None and codec("optimizations.hift_frame_bucket=128").hift_frame_bucket == 128

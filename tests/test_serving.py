@@ -209,6 +209,19 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     assert "bad prompt" in ends[rows[1].utt_id].error
 
 
+def test_the_hift_frame_bucket_reaches_the_runner(parts):
+    from cosybatch.profiles import load_profile
+    from cosybatch.serving import FastPipeline
+
+    models, frontend = parts
+    for kv, bucket in (([], 1), (["optimizations.hift_frame_bucket=64"], 64)):
+        pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32 + kv), torch.device("cpu"))
+        try:
+            assert pipe.codec.hift.frame_bucket == bucket
+        finally:
+            pipe.close()
+
+
 def test_timeline_counts_graph_captures_inside_the_window(parts):
     """``timeline(reset=True)`` starts the measured window; each graph cache then reports how
     many captures fell inside it (what start-up and the warm-ups did not capture)."""

@@ -27,6 +27,7 @@ class CodecConfig:
     hift_graph_counters: int = 128
     hift_graph_capture_after: int = 3
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
+    hift_frame_bucket: int | None = None  # HiftRunner(frame_bucket=...); None: its default
     # The codec's Triton kernels (CUDA): HiFT's resblock Snake + pad + conv biases + residual,
     # the flow's rotary and position convs (profile key optimizations.triton_kernels)
     triton_kernels: bool = False

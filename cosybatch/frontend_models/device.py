@@ -89,11 +89,13 @@ class DeviceFrontend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
                  bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128, split_tf32: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = True, row_bucket: int = 1):
         """``split_tf32`` (float32 on CUDA only): the tokenizer blocks' linears as three TF32
         GEMMs each (``frontend_models.split_tf32``); everything else stays strict float32, whatever the
         process's TF32 switches say. ``overlap``: CAM++ beside the tokenizer on CUDA (same
-        results: the same kernels, only concurrent)."""
+        results: the same kernels, only concurrent). ``row_bucket``: chunks too large for a graph
+        are padded to a multiple of this many rows, like graphed ones to 1, 2 or 4, so their
+        shapes repeat (each new shape costs the host the planning of its convolutions)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -105,6 +107,7 @@ class DeviceFrontend:
         self.max_batch = max(1, int(max_batch))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.bucket_s = float(bucket_s)
+        self.row_bucket = max(1, int(row_bucket))
         self._pinned = self.device.type == "cuda"
         # CUDA: CAM++ runs on a side stream beside the tokenizer (and in the same graph). A few
         # prompts at a time leave most SMs idle in both models (measured, batch 1, graphed:
@@ -242,8 +245,9 @@ class DeviceFrontend:
         unpacks it into the chunk's RawFeatures once it is there)."""
         n = len(wav16)
         graphed = n <= self.graph_rows
-        if graphed:  # 1, 2 or 4 rows: the batched models treat rows independently
-            extra = (1 << (n - 1).bit_length()) - n
+        # padded with copies of the last prompt (the batched models treat rows independently)
+        extra = (1 << (n - 1).bit_length()) - n if graphed else -n % self.row_bucket
+        if extra:
             wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
             fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
         size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)

@@ -45,6 +45,7 @@ class FrontendSettings:
     dtype: torch.dtype
     split_tf32: bool
     batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
+    row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
 
 
 def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
@@ -52,7 +53,7 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
         raise ProfileError(f"frontend.device=cuda needs a CUDA device, the run uses {device.type}")
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
-    return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch)
+    return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.row_bucket)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
-        hift_graph_precapture=o.hift_graph_precapture if cuda else (),
+        hift_graph_precapture=o.hift_graph_precapture if cuda else (), hift_frame_bucket=o.hift_frame_bucket,
         triton_kernels=o.triton_kernels and cuda and triton_available())
     # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN

@@ -81,6 +81,10 @@ class FrontendProfile:
     # GPU frontend: prompts gathered into one launch while the AR engine has at least that
     # many rows queued (with fewer, what has loaded launches at once: those rows are needed)
     batch: int = 64
+    # GPU frontend: a launch's rows are padded to a multiple of this (copies, dropped), so its
+    # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
+    # rows; an experiment: docs/performance.md)
+    row_bucket: int = 1
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,11 @@ class Optimizations:
     hift_graph_capture_after: int = 3
     # [requests per batch, window frames] pairs captured at start-up, before the first request
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
+    # HiFT windows are padded to a multiple of this many mel frames (padding is masked: no
+    # result changes), so batch shapes repeat; null: 32 with hift_graphs, else exact. Coarser
+    # buckets trade padded work for fewer shapes, each of which costs a graph or, eager, the
+    # host's planning of its convolutions (an experiment: docs/performance.md)
+    hift_frame_bucket: int | None = None
     # The codec's fused Triton kernels on CUDA: HiFT's Snake + causal pad with the conv biases
     # and residual adds, the flow's head-0 rotary and position convs (each checked against its
     # eager ops on the GPU; no effect on CPUs or without Triton)
@@ -279,10 +288,12 @@ RANGES: dict[str, tuple[Any, str]] = {
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
     "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
     "frontend.batch": (lambda v: v >= 1, "must be >= 1"),
+    "frontend.row_bucket": (lambda v: v >= 1, "must be >= 1"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.hift_frame_bucket": (lambda v: v is None or v >= 1, "must be >= 1"),
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
