@@ -104,7 +104,8 @@ class FastPipeline:
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
         self._counter_base: dict[str, int] = {}
-        self._capture_base: dict[str, int] = {}
+        # captures made before the first request (start-up) are not the window's
+        self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
@@ -170,10 +171,10 @@ class FastPipeline:
         """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
         flow, hift = self.codec.flow.graphs, self.codec.hift.graphs
         pg = self.engine.runner.prefill_graphs
-        stats = getattr(self.frontend, "graph_stats", lambda: None)()
+        frontend = getattr(self.frontend, "graph_stats", lambda: {"frontend": None})()
         return {"flow": flow.stats.as_dict() if flow is not None else None,
                 "hift": hift.stats.as_dict() if hift is not None else None,
-                "frontend": stats,
+                **frontend,
                 "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None}
 
     def _counters(self) -> dict[str, int]:

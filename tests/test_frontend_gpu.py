@@ -88,13 +88,13 @@ def reference(full_dir, prompts):
     return out
 
 
-def _frontend(full_dir, dtype, warmup, split_tf32=False, process_tf32=False):
+def _frontend(full_dir, dtype, warmup, split_tf32=False, process_tf32=False, row_bucket=1):
     """``process_tf32``: the process's TF32 switches on (as the shipped profiles set cuDNN's for
     HiFT) -- the frontend must keep its own precision regardless."""
     torch.backends.cuda.matmul.allow_tf32 = process_tf32
     torch.backends.cudnn.allow_tf32 = process_tf32
     return Frontend(full_dir, ModelConfig(), backend="torch", device=DEVICE, dtype=dtype, cache_size=0, warmup=warmup,
-                    split_tf32=split_tf32)
+                    split_tf32=split_tf32, row_bucket=row_bucket)
 
 
 @pytest.fixture
@@ -154,6 +154,21 @@ def test_single_prompts_from_graphs_match_onnxruntime(fp32_frontend, prompts, re
         print(f"[frontend-gpu] graphs: {graphs.stats.as_dict()}")
     assert rate >= FP32_AGREEMENT, flips[:20]
     assert worst <= FP32_EMBED_TOL
+
+
+def test_row_bucketed_launches_from_graphs_match_onnxruntime(full_dir, prompts, reference, process_tf32):
+    """``frontend.row_bucket`` (the default profile's 16): large chunks padded to a multiple of
+    16 rows replay graphs once their shape comes back -- the same launch three times runs eager,
+    then captures, then replays, each within the batched path's bounds against onnxruntime."""
+    fe = _frontend(full_dir, torch.float32, warmup=False, split_tf32=True, process_tf32=True, row_bucket=16)
+    for run in range(3):
+        rate, worst, flips = _compare(fe, prompts, reference, f"3xTF32, rows padded to 16, run {run + 1}")
+        assert rate >= FP32_AGREEMENT, flips[:20]
+        assert worst <= FP32_EMBED_TOL
+    graphs = fe._impl.batch_graphs
+    if DEVICE == "cuda":
+        print(f"[frontend-gpu] batch graphs: {graphs.stats.as_dict()}")
+        assert graphs.stats.captures >= 1 and graphs.stats.hits >= 1 and graphs.stats.failures == 0
 
 
 def test_3xtf32_matches_onnxruntime(full_dir, prompts, reference, process_tf32):

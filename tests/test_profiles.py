@@ -395,7 +395,9 @@ def test_frontend_device_and_precision():
     assert "frontend.precision=3xtf32 (from " in err("default", ["engine=reference", "mode=full"])
     assert f.batch == 64 and resolve(load_profile("default", ["frontend.batch=16"]), cfg, cpu).frontend.batch == 16
     assert err("default", ["frontend.batch=0"]) == "--set frontend.batch=0: frontend.batch: must be >= 1, got 0"
-    assert f.row_bucket == 1 and resolve(load_profile("default", ["frontend.row_bucket=8"]), cfg, cpu).frontend.row_bucket == 8
+    assert f.row_bucket == 16 and resolve(load_profile("default", ["frontend.row_bucket=8"]), cfg, cpu).frontend.row_bucket == 8
     assert err("default", ["frontend.row_bucket=0"]) == "--set frontend.row_bucket=0: frontend.row_bucket: must be >= 1, got 0"
     codec = lambda *kv: resolve(load_profile("default", list(kv)), cfg, cpu).codec  # noqa: E731
-    assert codec().hift_frame_bucket is None and codec("optimizations.hift_frame_bucket=128").hift_frame_bucket == 128
+    cuda_codec = lambda *kv: resolve(load_profile("default", list(kv)), cfg, torch.device("cuda")).codec  # noqa: E731
+    assert cuda_codec().hift_frame_bucket == 128 and cuda_codec("optimizations.hift_frame_bucket=32").hift_frame_bucket == 32
+    assert codec().hift_frame_bucket is None and cuda_codec().hift_graph_capture_after == 1

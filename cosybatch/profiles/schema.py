@@ -105,10 +105,11 @@ class Optimizations:
     hift_graph_capture_after: int = 3
     # [requests per batch, window frames] pairs captured at start-up, before the first request
     hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    # HiFT windows are padded to a multiple of this many mel frames (padding is masked: no
-    # result changes), so batch shapes repeat; null: 32 with hift_graphs, else exact. Coarser
-    # buckets trade padded work for fewer shapes, each of which costs a graph or, eager, the
-    # host's planning of its convolutions (an experiment: docs/performance.md)
+    # On CUDA, HiFT windows are padded to a multiple of this many mel frames (padding is
+    # masked: no result changes), so batch shapes repeat; null: 32 with hift_graphs, else
+    # exact (always exact on a CPU, where padding only costs). Coarser buckets trade padded
+    # work for fewer shapes, each of which costs a graph or, eager, the host's planning of its
+    # convolutions (docs/performance.md)
     hift_frame_bucket: int | None = None
     # The codec's fused Triton kernels on CUDA: HiFT's Snake + causal pad with the conv biases
     # and residual adds, the flow's head-0 rotary and position convs (each checked against its
