@@ -3,7 +3,7 @@
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
 # steps: tests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
-#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes
+#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
@@ -136,10 +136,22 @@ for step in "$@"; do
       python3 - "$OUT/synth-host.pstats" <<'PY' | tee -a "$OUT/synth-host.txt"
 import pstats, sys
 st = pstats.Stats(sys.argv[1])
-st.sort_stats("cumulative").print_stats("write_wav_atomic|fsync|append|step|_commit|synchronize|result", 20)
-st.sort_stats("tottime").print_stats(15)
+st.sort_stats("cumulative").print_stats("_launch_ar|_run_batch|launch_features|prefill_launch|decode_launch|run_solve|step", 25)
+st.sort_stats("tottime").print_stats(30)
+st.sort_stats("tottime").print_callers("pin_memory|synchronize|'item'|tolist|'copy_'|'to'", 12)
 PY
       ;;
+    syncaudit) setup; log "synth over 128 rows with CUDA's sync debug mode warning on every synchronizing call: where the host waits"
+      [ -f $WL/m128.lst ] || head -n 128 $WL/meta.lst > $WL/m128.lst; rm -rf /tmp/syncaudit
+      timeout 300 python3 -W always -c "import runpy, sys, torch; torch.cuda.set_sync_debug_mode('warn'); sys.argv[0] = 'cosybatch'; runpy.run_module('cosybatch', run_name='__main__')" \
+        synth $WL/m128.lst --model $CKPT --out /tmp/syncaudit --device cuda --force-length --quiet > "$OUT/syncaudit.txt" 2>&1
+      echo "rc=$?" >> "$OUT/syncaudit.txt"
+      # one warning per synchronizing call, attributed to the Python line that made it
+      grep "synchronizing CUDA operation" "$OUT/syncaudit.txt" | grep -o "[A-Za-z0-9_/.]*\.py:[0-9]*" | sed 's|.*/cosybatch/|cosybatch/|' \
+        | sort | uniq -c | sort -rn | head -40 | tee "$OUT/syncaudit-sites.txt" ;;
+    enginetests) log "pytest -m gpu tests/test_engine_gpu.py"
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py ${ENGINE_TESTS:+-k "$ENGINE_TESTS"} > "$OUT/engine_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/engine_tests.txt"; grep -E "passed|failed|Error|error" "$OUT/engine_tests.txt" | tail -12 ;;
     devices) setup; log "synth --devices all vs --devices 1 (one GPU)"
       head -n 257 $WL/meta.lst > $WL/m256.lst
       for d in 1 all; do rm -rf /tmp/dev-$d

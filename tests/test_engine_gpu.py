@@ -165,6 +165,37 @@ def test_graphed_prefill_equals_eager_bits(big_lm, reqs):
     assert torch.equal(graphed, eager)
 
 
+class _NoSync:
+    """``torch.cuda.set_sync_debug_mode('error')`` inside: any operation that waits for the GPU
+    (a pageable copy, ``.item()``, a stream sync) raises instead."""
+
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_row_writes_and_step_launches_never_wait_for_the_gpu(big_lm, reqs):
+    """The host runs ahead of the GPU only if queueing a step never syncs: a prefill launch
+    (binding its rows), decode launches and a row's release are checked with CUDA's sync debug
+    mode set to raise (collecting a step's tokens is the one sync by design, outside it)."""
+    eng = _engine(big_lm, max_num_seqs=16)
+    for r in reqs[:3]:
+        eng.add_request(**r)
+    torch.cuda.synchronize()
+    for _ in range(12):
+        with _NoSync():
+            assert eng.launch()
+        eng.collect()
+    seq = next(iter(eng.scheduler.running))
+    with _NoSync():
+        eng.runner.unbind(seq.row)
+        eng.runner.bind(seq, seq.row)
+    torch.cuda.synchronize()
+    _free(eng)
+
+
 def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):
     eng = _engine(big_lm, max_num_seqs=16, cuda_graphs=False)
     assert not eng.runner.graphs
