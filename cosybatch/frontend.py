@@ -358,14 +358,10 @@ class Frontend:
         with self._paths_lock:
             self._paths.clear()
 
-    def graph_stats(self) -> dict:
-        """The GPU frontend's CUDA-graph caches' counters: ``frontend`` (chunks of a few prompts)
-        and ``frontend_batch`` (large row-bucketed chunks); None for a cache it does not have."""
-        out = {}
-        for name, attr in (("frontend", "graphs"), ("frontend_batch", "batch_graphs")):
-            graphs = getattr(self._impl, attr, None)
-            out[name] = graphs.stats.as_dict() if graphs is not None else None
-        return out
+    def graph_stats(self) -> dict | None:
+        """The GPU frontend's CUDA-graph cache counters (None without one)."""
+        graphs = getattr(self._impl, "graphs", None)
+        return graphs.stats.as_dict() if graphs is not None else None
 
     def close(self) -> None:
         """Write the pending disk-cache entries and stop the writer (call at the end of a run;

@@ -171,10 +171,10 @@ class FastPipeline:
         """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
         flow, hift = self.codec.flow.graphs, self.codec.hift.graphs
         pg = self.engine.runner.prefill_graphs
-        frontend = getattr(self.frontend, "graph_stats", lambda: {"frontend": None})()
+        stats = getattr(self.frontend, "graph_stats", lambda: None)()
         return {"flow": flow.stats.as_dict() if flow is not None else None,
                 "hift": hift.stats.as_dict() if hift is not None else None,
-                **frontend,
+                "frontend": stats,
                 "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None}
 
     def _counters(self) -> dict[str, int]:

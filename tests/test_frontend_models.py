@@ -238,27 +238,6 @@ def test_the_graphed_path_equals_the_exact_path(standins):
         assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
 
 
-def test_large_row_bucketed_chunks_take_the_graphed_path(standins):
-    """With ``row_bucket`` > 1 a chunk of more than ``graph_rows`` prompts is padded to a multiple
-    of it and runs the masked path through the second graph cache (on the CPU that cache runs
-    eagerly; GPU tests replay it): each prompt gets what the exact launch gives."""
-    from cosybatch.graph_cache import GraphCache
-
-    fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0, row_bucket=8)
-    loaded = [fe.load_waveform(_wav16(s, 150 + i), 16000, f"w{i}") for i, s in enumerate(SECONDS[:5])]
-    impl, rows = fe._impl, []
-    exact = fe.raw_features(loaded)
-    impl.graph_rows = 4
-    impl.batch_graphs = GraphCache(lambda *t: rows.append(t[0].shape[0]) or impl._features(*t, True, True),
-                                   enabled=False)
-    graphed = fe.raw_features(loaded)
-    assert impl.batch_graphs.stats.calls == 1 and rows == [8] and len(graphed) == 5
-    for a, b in zip(exact, graphed):
-        assert torch.equal(a.tokens, b.tokens)
-        assert (a.embedding - b.embedding).abs().max() <= 1e-5
-        assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
-
-
 def test_torch_frontend_equals_reference_frontend(standins, wavs):
     """Frontend(backend='torch') on the CPU and the onnxruntime reference give the same
     PromptFeatures for files at 16 and 24 kHz (batched vs one by one)."""

@@ -93,11 +93,9 @@ class DeviceFrontend:
         """``split_tf32`` (float32 on CUDA only): the tokenizer blocks' linears as three TF32
         GEMMs each (``frontend_models.split_tf32``); everything else stays strict float32, whatever the
         process's TF32 switches say. ``overlap``: CAM++ beside the tokenizer on CUDA (same
-        results: the same kernels, only concurrent). ``row_bucket``: chunks larger than
-        ``graph_rows`` are padded to a multiple of this many rows, like the small ones to 1, 2
-        or 4, so their shapes repeat; above 1 (on CUDA) they replay graphs too, from a second
-        cache that captures a shape when it comes back (each new eager shape costs the host the
-        planning of its convolutions, each eager launch ~1,100 kernel launches)."""
+        results: the same kernels, only concurrent). ``row_bucket``: chunks too large for a graph
+        are padded to a multiple of this many rows, like graphed ones to 1, 2 or 4, so their
+        shapes repeat (each new shape costs the host the planning of its convolutions)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -119,10 +117,6 @@ class DeviceFrontend:
         self.graph_rows = graph_rows if self.device.type == "cuda" else 0
         self.graphs = GraphCache(lambda *t: self._features(*t, True, True), capacity=graph_capacity,
                                  capture_after=1, name="frontend") if self.graph_rows else None
-        # Large chunks: shapes not known in advance (rows x length buckets), so a shape is captured
-        # the second time it comes; the pool holds one large graph's work at a time.
-        self.batch_graphs = GraphCache(lambda *t: self._features(*t, True, True), capacity=32, capture_after=2,
-                                       name="frontend-batch") if self.graph_rows and self.row_bucket > 1 else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, mel_cfg: MelConfig, device, **kw) -> "DeviceFrontend":
@@ -250,10 +244,9 @@ class DeviceFrontend:
         """Queue one chunk -> (its packed result on its way to the host, the function that
         unpacks it into the chunk's RawFeatures once it is there)."""
         n = len(wav16)
-        small = n <= self.graph_rows
-        graphs = self.graphs if small else self.batch_graphs
+        graphed = n <= self.graph_rows
         # padded with copies of the last prompt (the batched models treat rows independently)
-        extra = (1 << (n - 1).bit_length()) - n if small else -n % self.row_bucket
+        extra = (1 << (n - 1).bit_length()) - n if graphed else -n % self.row_bucket
         if extra:
             wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
             fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
@@ -265,8 +258,8 @@ class DeviceFrontend:
         cfg = self.mel_cfg
         xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate))
         inputs = (x16, l16, fbank, fb_dev, xm, lm)
-        if graphs is not None:
-            flat = graphs(*inputs)
+        if graphed:
+            flat = self.graphs(*inputs)
         else:
             flat = self._features(*inputs, bool((frames < x16.shape[1] // WHISPER_HOP).any()),
                                   bool((fb_frames < fbank.shape[1]).any()))

@@ -83,7 +83,7 @@ class FrontendProfile:
     batch: int = 64
     # GPU frontend: a launch's rows are padded to a multiple of this (copies, dropped), so its
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
-    # rows; an experiment: docs/performance.md)
+    # rows; docs/performance.md)
     row_bucket: int = 1
 
 
