@@ -435,3 +435,34 @@ def test_scheduler_rows_stay_compact_and_blocks_are_reserved():
     for s in list(sch.running):
         sch.finish(s)
     assert alloc.num_free == alloc.capacity and sch.schedule().seqs == [seqs[4]]
+
+
+def test_row_state_is_written_by_kernels_not_copied_from_host_scalars(lm, segments):
+    """``cuda_tensor[i] = 0`` is a copy of a 0-dim host tensor, which on CUDA waits for every
+    queued kernel (a sync per finished row, measured on the H200). Binding, releasing and
+    prefilling rows must write the decode rows with kernels (fill/zero/index_fill): recorded here
+    at the dispatcher, where the CPU runs the very ops a GPU would."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostScalarCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and args[1].dim() == 0:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    eng = _engine(lm, max_num_seqs=4)
+    for _, req, _, _ in segments[:2]:
+        eng.add_request(**req)
+    with HostScalarCopies() as mode:
+        eng.launch()  # a prefill: binds both rows
+    assert mode.seen == [], "a decode row was written by copying a host scalar"
+    eng.collect()
+    seq = eng.scheduler.running[0]
+    with HostScalarCopies() as mode:
+        eng.runner.unbind(seq.row)
+        eng.runner.bind(seq, seq.row)
+    assert mode.seen == [], "a decode row was written by copying a host scalar"
