@@ -119,7 +119,8 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
-        hift_graph_precapture=o.hift_graph_precapture if cuda else (), hift_frame_bucket=o.hift_frame_bucket if cuda else None,
+        hift_graph_precapture=o.hift_graph_precapture if cuda else (),
+        hift_frame_bucket=o.hift_frame_bucket if cuda else None,  # padding only costs on a CPU
         triton_kernels=o.triton_kernels and cuda and triton_available())
     # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
