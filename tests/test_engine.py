@@ -438,10 +438,11 @@ def test_scheduler_rows_stay_compact_and_blocks_are_reserved():
 
 
 def test_row_state_is_written_by_kernels_not_copied_from_host_scalars(lm, segments):
-    """``cuda_tensor[i] = 0`` is a copy of a 0-dim host tensor, which on CUDA waits for every
-    queued kernel (a sync per finished row, measured on the H200). Binding, releasing and
-    prefilling rows must write the decode rows with kernels (fill/zero/index_fill): recorded here
-    at the dispatcher, where the CPU runs the very ops a GPU would."""
+    """``cuda_tensor[i] = 0`` and ``cuda_tensor[rows, cols] = True`` copy a 0-dim host tensor
+    to the device (``copy_``, ``index_put_``'s own ``.to``), which waits for every queued kernel
+    (a sync per finished row, measured on the H200). Binding, releasing and prefilling rows, and
+    recording a prefill's tokens, must write device state with kernels and device values:
+    recorded here at the dispatcher, where the CPU runs the very ops a GPU would."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class HostScalarCopies(TorchDispatchMode):
@@ -450,7 +451,10 @@ def test_row_state_is_written_by_kernels_not_copied_from_host_scalars(lm, segmen
             self.seen = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.copy_.default and args[1].dim() == 0:
+            # a fresh 0-dim source is a Python scalar made a tensor (views of device tensors
+            # are fine: ``t[dst] = t[src]``, or a value whose leading 1-dims setitem strips)
+            src = {torch.ops.aten.copy_.default: 1, torch.ops.aten.index_put_.default: 2}.get(func)
+            if src is not None and args[src].dim() == 0 and not args[src]._is_view():
                 self.seen.append(func)
             return func(*args, **(kwargs or {}))
 
@@ -465,4 +469,7 @@ def test_row_state_is_written_by_kernels_not_copied_from_host_scalars(lm, segmen
     with HostScalarCopies() as mode:
         eng.runner.unbind(seq.row)
         eng.runner.bind(seq, seq.row)
+        rows = torch.tensor([seq.row])  # the batched (CUDA) prefill's record: rows as a tensor
+        eng.runner.sampler.record(rows, torch.zeros(1, dtype=torch.long), torch.tensor([7]))
     assert mode.seen == [], "a decode row was written by copying a host scalar"
+    assert eng.runner.sampler.seen[seq.row, 7] and eng.runner.sampler.history[seq.row, 0] == 7

@@ -60,6 +60,7 @@ class SamplerState:
         self._hist_col = torch.arange(history_len, device=device).unsqueeze(0)
         self._stop_cols = ((col >= stop_start) & (col < vocab)).unsqueeze(0)
         self._sos_col = (col == sos).unsqueeze(0)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         # padding rows of a decode bucket are sampled too (and ignored): give every row valid
         # parameters from the start
         for row in range(num_rows):
@@ -164,6 +165,6 @@ class SamplerState:
         if isinstance(rows, slice):
             self.history[rows].scatter_(1, idx, tokens.unsqueeze(1))
             self.seen[rows].scatter_(1, tokens.unsqueeze(1), True)
-        else:
+        else:  # a device value: ``seen[rows, tokens] = True`` would copy a host scalar (a sync)
             self.history[rows, idx.squeeze(1)] = tokens
-            self.seen[rows, tokens] = True
+            self.seen.index_put_((rows, tokens), self._true.expand(tokens.shape[0]))
