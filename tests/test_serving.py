@@ -209,11 +209,10 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     assert "bad prompt" in ends[rows[1].utt_id].error
 
 
-def test_the_hift_frame_bucket_reaches_the_runner(parts):
+def test_the_hift_frame_bucket_pads_on_cuda_only(parts):
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
-
     from cosybatch.profiles.resolve import resolve
+    from cosybatch.serving import FastPipeline
 
     models, frontend = parts
     for kv, bucket in (([], 128), (["optimizations.hift_frame_bucket=64"], 64)):
