@@ -50,16 +50,22 @@ def test_put_waits_while_the_queue_is_full():
     assert done == [0, 1, 2]
 
 
-def test_the_first_error_stops_the_thread_drops_the_queue_and_reaches_the_caller():
+def _gated_commit(fail_at: int):
+    """(gate, committed items, commit): commit waits for the gate, then fails on ``fail_at``."""
     gate = threading.Event()
     done = []
 
     def commit(x):
         gate.wait(10)
-        if x == 1:
+        if x == fail_at:
             raise OSError("disk full")
         done.append(x)
 
+    return gate, done, commit
+
+
+def test_the_first_error_stops_the_thread_drops_the_queue_and_reaches_the_caller():
+    gate, done, commit = _gated_commit(fail_at=1)
     wb = WriteBehind(commit, depth=10)
     for i in range(4):
         wb.put(i)
@@ -73,15 +79,7 @@ def test_the_first_error_stops_the_thread_drops_the_queue_and_reaches_the_caller
 
 
 def test_exit_commits_what_is_queued_and_lets_the_callers_exception_win():
-    gate = threading.Event()
-    done = []
-
-    def commit(x):
-        gate.wait(10)
-        if x == 2:
-            raise OSError("disk full")
-        done.append(x)
-
+    gate, done, commit = _gated_commit(fail_at=2)
     with pytest.raises(KeyboardInterrupt):
         with WriteBehind(commit) as wb:
             wb.put(0)
