@@ -436,6 +436,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     if result_dir is not None:
         meta = {"model_id": model, "device": device, "profile": profile.to_dict(), "manifest": str(manifest),
                 "force_length": force_length, "warm_prompts": warm_prompts, "seed": seed,
+                "startup": pipeline.startup.as_dict() if hasattr(pipeline, "startup") else None,
                 "environment": environment()}
         path = write_result(result, result_dir, meta, profile.name)
         log.info("result written to %s", path)

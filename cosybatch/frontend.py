@@ -157,8 +157,14 @@ class Frontend:
         self._inflight_lock = threading.Lock()
         self._paths: OrderedDict[tuple, str] = OrderedDict()
         self._paths_lock = threading.Lock()
-        if warmup and self.backend == "torch" and self._impl.device.type == "cuda":
-            self._impl.warmup()  # lazy CUDA setup and every length bucket's plans now, not on a prompt
+        if warmup:
+            self.warmup()
+
+    def warmup(self) -> None:
+        """On a CUDA device: lazy CUDA set-up and every length bucket's plans and graphs now,
+        not on a prompt (nothing to do for onnxruntime)."""
+        if self.backend == "torch" and self._impl.device.type == "cuda":
+            self._impl.warmup()
 
     @property
     def bfloat16(self) -> bool:

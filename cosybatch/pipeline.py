@@ -93,17 +93,26 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     from cosybatch.profiles.resolve import resolve
     from cosybatch.runtime import apply_process_settings
     from cosybatch.serving import FastPipeline
+    from cosybatch.startup import StartupClock
 
     # Resolve (and so validate) the profile before loading any weights, and set the
     # process-wide switches before any model work.
     settings = resolve(profile, load_config(model_dir), device)
     apply_process_settings(settings.process)
-    models = load_models(model_dir, device=str(device))
+    clock = StartupClock(device)
+    with clock.phase("models"):
+        models = load_models(model_dir, device=str(device))
     # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
     f = settings.frontend
-    frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
-                        row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache)
-    return FastPipeline(models, frontend, settings, device)
+    with clock.phase("frontend"):
+        frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
+                            split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
+                            disk_cache=prompt_cache, warmup=False)
+    with clock.phase("frontend warm-up"):
+        frontend.warmup()
+    pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
+    clock.log()
+    return pipeline
 
 
 class FastSynthesizer:
@@ -120,6 +129,7 @@ class FastSynthesizer:
         self.force_length = force_length
         # Admit a bounded window of rows so the frontend never runs far ahead of the engine.
         self.window = max(profile.ar.max_num_seqs, profile.codec.max_num_seqs) * 2
+        self.startup = self.pipeline.startup.as_dict()
         self._closed = False
 
     def fingerprint(self) -> dict:

@@ -112,6 +112,9 @@ def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Tab
         t.add_row(label, f"{totals.get(key, 0):,}")
     t.add_row("audio seconds (this run)", _fmt_s(totals.get("audio_s")))
     t.add_row("wall time (s)", _fmt_s(totals.get("wall_s")))
+    startup = (totals.get("startup") or {}).get("total_s")
+    if startup is not None:
+        t.add_row("start-up before the first row (s)", _fmt_s(startup))
     rate = totals.get("audio_s_per_s")
     t.add_row("audio-s/s", "-" if rate is None else f"{rate:,.2f}")
     rtf = totals.get("rtf")

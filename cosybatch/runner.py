@@ -271,6 +271,8 @@ class _Run:
         self.signum: int | None = None  # the signal that interrupted the run
         self.stopped: str | None = None  # why the run stopped early (an output fault, a synthesizer crash)
         self.synth_stats: dict[str, Any] = {}  # the synthesizer's own figures, read on the thread driving it
+        # what building the synthesizer cost before the run's window opened (wall_s excludes it)
+        self.startup: dict[str, Any] | None = getattr(self.synth, "startup", None)
 
     @property
     def interrupted(self) -> bool:
@@ -289,6 +291,7 @@ class _Run:
                 **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS
                    if k != "first_chunk_s" and k in self.reported},
                 **self.synth_stats,
+                **({"startup": self.startup} if self.startup else {}),
                 "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
 
     def read_synth_stats(self) -> None:

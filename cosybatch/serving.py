@@ -34,6 +34,7 @@ from cosybatch.hostcopy import h2d
 from cosybatch.profiles.resolve import RunSettings
 from cosybatch.prompt import PromptFeatures
 from cosybatch.requests import Event, SynthRequest
+from cosybatch.startup import StartupClock
 from cosybatch.timeline import policy
 from cosybatch.timeline.accounting import Accounting
 from cosybatch.timeline.codec_work import CodecWork, Hop
@@ -67,7 +68,8 @@ class _Row:
 class FastPipeline:
     """Implements ``cosybatch.requests.StreamingPipeline`` over the AR engine and packed codec."""
 
-    def __init__(self, models, frontend, settings: RunSettings, device: torch.device):
+    def __init__(self, models, frontend, settings: RunSettings, device: torch.device,
+                 startup: StartupClock | None = None):
         self.cfg = models.cfg
         self.settings = settings
         self.frontend = frontend
@@ -79,12 +81,9 @@ class FastPipeline:
         self.lookahead = self.cfg.flow.pre_lookahead_len
         self.streaming = settings.streaming
         codec_cfg = settings.codec
-        self.engine = LLMEngine(models.llm, settings.engine)
-        hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False, max_batch=codec_cfg.max_num_seqs,
-                          frame_bucket=codec_cfg.hift_frame_bucket, fused_snake=codec_cfg.triton_kernels)
-        if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
-            n = hift.precapture(codec_cfg.hift_graph_precapture)
-            log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n, len(codec_cfg.hift_graph_precapture))
+        self.startup = startup = startup or StartupClock(device)
+        with startup.phase("AR engine"):
+            self.engine = LLMEngine(models.llm, settings.engine)
         self.acct = Accounting(device)
         sl = settings.slices
         limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms, budget_max_ms=sl.budget_max_ms,
@@ -92,8 +91,16 @@ class FastPipeline:
                                max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
                                first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
-        self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
-                               CostModel(learn=device.type == "cuda"), limits, device)
+        with startup.phase("codec"):
+            hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
+                              max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
+                              fused_snake=codec_cfg.triton_kernels)
+            if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
+                n = hift.precapture(codec_cfg.hift_graph_precapture)
+                log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
+                         len(codec_cfg.hift_graph_precapture))
+            self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
+                                   CostModel(learn=device.type == "cuda"), limits, device)
         self._token_frames = self.cfg.flow.token_mel_ratio
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
@@ -135,7 +142,7 @@ class FastPipeline:
         busy = self.acct.busy_s()
         return {"frontend": self.prompts.busy_s + busy.get("frontend", 0.0),
                 "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
-                "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": busy.get("hift", 0.0)}
+                "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": sum(v for k, v in busy.items() if k.startswith("hift"))}
 
     def timeline(self, reset: bool = False, wall_s: float | None = None, settle: bool = True) -> dict:
         """AR step times, slice durations, busy and idle shares, host time per iteration

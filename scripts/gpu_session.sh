@@ -3,7 +3,7 @@
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
 # steps: tests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
-#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests
+#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests prefill
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
@@ -58,6 +58,7 @@ synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (t
 import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
 print({k: t.get(k) for k in ("ok", "failed", "wall_s", "audio_s", "audio_s_per_s")})
 print("busy", tl.get("busy_share"), "idle", tl.get("gpu_idle_share"), "host", tl.get("host_busy_ms_per_iteration"))
+print("start-up", t.get("startup"))
 PY
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
 }
@@ -149,6 +150,8 @@ PY
       # one warning per synchronizing call, attributed to the Python line that made it
       grep "synchronizing CUDA operation" "$OUT/syncaudit.txt" | grep -o "[A-Za-z0-9_/.]*\.py:[0-9]*" | sed 's|.*/cosybatch/|cosybatch/|' \
         | sort | uniq -c | sort -rn | head -40 | tee "$OUT/syncaudit-sites.txt" ;;
+    prefill) log "bench_prefill: prefill GPU time per token bucket under alternative fixed matmul tiles"
+      timeout 300 python3 scripts/bench_prefill.py --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt" | tail -30 ;;
     enginetests) log "pytest -m gpu tests/test_engine_gpu.py"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py ${ENGINE_TESTS:+-k "$ENGINE_TESTS"} > "$OUT/engine_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/engine_tests.txt"; grep -E "passed|failed|Error|error" "$OUT/engine_tests.txt" | tail -12 ;;

@@ -247,6 +247,25 @@ def test_load_models_fixture(model_dir):
     assert torch.equal(m.hift.m_source.l_linear.weight, hift["m_source.l_linear.weight"])
 
 
+def test_load_models_skips_the_random_fill_and_restores_torch_init(model_dir, monkeypatch):
+    """Modules are built without the random parameter fill that strict_load overwrites: the
+    fill functions are not called while building, are restored afterwards, and every
+    parameter still equals the file's (tested above for a few)."""
+    import cosybatch.checkpoint.loader as loader
+
+    calls = []
+    real = torch.nn.init.kaiming_uniform_
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    m = loader.load_models(model_dir)
+    assert calls == []
+    assert torch.nn.init.kaiming_uniform_ is not real  # the test's wrapper, put back as it was
+    torch.nn.Linear(4, 4)
+    assert calls == [(4, 4)]
+    raw = loader.flow_state_dict(read_state_dict(model_dir / "flow.pt"))
+    for name, p in m.flow.named_parameters():
+        assert torch.equal(p, raw[name]), name
+
+
 def test_load_models_missing_file(model_dir, tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()

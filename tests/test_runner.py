@@ -488,3 +488,41 @@ def test_rows_are_committed_while_the_synthesizer_goes_on(tmp_path, monkeypatch)
     assert waited == [True]
     assert rep.exit_code == 0 and _ok_ids(out) == ["u0", "u1", "u2", "u3"]
     assert _ledger(out)[-1]["event"] == "run_end" and _ledger(out)[-1]["ok"] == 4
+
+
+def test_start_up_is_reported_beside_the_window_not_inside_it(tmp_path):
+    """What building the synthesizer cost (its ``startup``) lands in timing.json's totals and the
+    summary table, apart from wall_s, which times the rows alone."""
+    from rich.console import Console
+
+    from cosybatch.progress import summary_table
+
+    man = make_manifest(tmp_path, 2)
+    synth = FakeSynth()
+    synth.startup = {"total_s": 41.5, "phases_s": {"models": 30.0, "AR engine": 11.5}}
+    rep = run_synth(read_manifest(man), synth, tmp_path / "out", quiet=True)
+    totals = json.loads((tmp_path / "out" / "timing.json").read_text())["totals"]
+    assert totals["startup"] == synth.startup and totals["wall_s"] < 41.5
+    console = Console(record=True, width=100)
+    console.print(summary_table(totals))
+    text = console.export_text()
+    assert "start-up before the first row (s)" in text and "41.5" in text
+    assert rep.exit_code == 0
+
+
+def test_startup_clock_times_phases_and_the_process_before_them():
+    import torch
+
+    from cosybatch.startup import StartupClock, process_age_s
+
+    age = process_age_s()
+    assert age is None or 0 < age < 24 * 3600
+    clock = StartupClock(torch.device("cpu"))
+    with clock.phase("models"):
+        time.sleep(0.02)
+    with clock.phase("models"):  # a phase entered twice adds up
+        time.sleep(0.01)
+    assert 0.03 <= clock.phases["models"] < 0.5
+    assert clock.total_s == pytest.approx(sum(clock.phases.values()), abs=1e-3)
+    assert ("process start and imports" in clock.phases) == (age is not None)
+    assert clock.as_dict()["phases_s"]["models"] == clock.phases["models"]

@@ -240,3 +240,16 @@ def test_prompts_launch_in_full_batches_while_the_engine_has_rows_queued():
     assert {k: launch_prompts(*k, batch=64) for k in golden} == golden
     # batch 1: every prompt at once, whatever is queued (the latency setting)
     assert launch_prompts(1, 10_000, batch=1) and not launch_prompts(0, 0, batch=1)
+
+
+def test_a_slice_closed_as_another_kind_is_counted_there_without_its_learner():
+    import torch
+
+    from cosybatch.timeline.accounting import Accounting
+
+    acct = Accounting(torch.device("cpu"))
+    learned = []
+    acct.end(acct.start("hift", learned.append))
+    acct.end(acct.start("hift", learned.append), "hift_capture")
+    assert len(acct.ms["hift"]) == 1 and len(acct.ms["hift_capture"]) == 1 and len(learned) == 1
+    assert set(acct.summary()["slice_queue_ms"]) <= {"hift", "hift_capture"}

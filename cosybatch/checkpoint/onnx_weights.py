@@ -64,14 +64,20 @@ class OnnxGraph:
             return self.inits[name]
         return self.consts.get(name)
 
-    def weight(self, node_name: str, what: str, index: int | None = None) -> torch.Tensor:
-        """The parameter input of a node: at ``index``, or its only initializer input."""
+    def weight(self, node_name: str, what: str, index: int | None = None, transposed: bool = False) -> torch.Tensor:
+        """The parameter input of a node: at ``index``, or its only initializer input; with
+        ``transposed``, its transpose (a MatMul's [in, out] as a Linear's [out, in]), made in
+        the one copy out of the file's read-only buffer (a second copy to transpose a ~1 GB
+        tokenizer cost seconds of start-up)."""
         n = self.node(node_name, what)
         cands = [i for i in n.input if i in self.inits] if index is None else (
             [n.input[index]] if index < len(n.input) and n.input[index] in self.inits else [])
         if len(cands) != 1:
             raise FrontendModelError(f"{self.path}: node {node_name!r} has no single weight input ({what})")
-        return torch.from_numpy(np.array(self.inits[cands[0]], dtype=np.float32))
+        src = self.inits[cands[0]].T if transposed else self.inits[cands[0]]
+        out = np.empty(src.shape, np.float32)
+        out[...] = src
+        return torch.from_numpy(out)
 
     def io_names(self) -> tuple[list[str], list[str]]:
         return [i.name for i in self.inputs], [o.name for o in self.outputs]
@@ -103,14 +109,14 @@ def s3tokenizer_state(g: OnnxGraph) -> tuple[S3TokenizerConfig, dict]:
     state = {
         "conv1.weight": conv1, "conv1.bias": g.weight("/conv1/Conv", _TOK, 2),
         "conv2.weight": g.weight("/conv2/Conv", _TOK, 1), "conv2.bias": g.weight("/conv2/Conv", _TOK, 2),
-        "quantizer.project_in.weight": g.weight("/quantizer/project_in/MatMul", _TOK).T,
+        "quantizer.project_in.weight": g.weight("/quantizer/project_in/MatMul", _TOK, transposed=True),
         "quantizer.project_in.bias": g.weight("/quantizer/project_in/Add", _TOK),
     }
     for n in range(layers):
         s, p = f"/blocks.{n}", f"blocks.{n}"
         for lin in ("attn/query", "attn/key", "attn/value", "attn/out", "mlp/mlp.0", "mlp/mlp.2"):
             key = f"{p}.{lin.replace('/', '.').replace('mlp.mlp', 'mlp')}"
-            state[f"{key}.weight"] = g.weight(f"{s}/{lin}/MatMul", _TOK).T
+            state[f"{key}.weight"] = g.weight(f"{s}/{lin}/MatMul", _TOK, transposed=True)
             if lin != "attn/key":  # whisper's key projection has no bias
                 state[f"{key}.bias"] = g.weight(f"{s}/{lin}/Add", _TOK)
         state[f"{p}.attn.fsmn_block.weight"] = g.weight(f"{s}/attn/fsmn_block/Conv", _TOK, 1)

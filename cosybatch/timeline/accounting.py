@@ -45,8 +45,12 @@ class Accounting:
         t = time.perf_counter()
         return (kind, t, on_done, t)
 
-    def end(self, token) -> None:
+    def end(self, token, as_kind: str | None = None) -> None:
+        """Close a slice. ``as_kind``: count it under another kind (a slice that captured a CUDA
+        graph: its time is not what a replay costs, so it teaches ``on_done`` nothing)."""
         kind, start, on_done, t0 = token
+        if as_kind is not None:
+            kind, on_done = as_kind, None
         self.queue_ms[kind] += (time.perf_counter() - t0) * 1e3
         if self.cuda:
             ev = self._event()

@@ -168,9 +168,10 @@ class CodecWork:
         a = self.active
         tokens = a.tokens
         t = self.acct.start("flow_step", lambda ms: self.costs.observe_flow_step(tokens, ms / n))
+        captures = self._captures()
         try:
             left = a.solve.step(n)
-            self.acct.end(t)
+            self.acct.end(t, "flow_capture" if self._captures() > captures else None)
             if left:
                 return
             t = self.acct.start("flow_finish")
@@ -191,6 +192,12 @@ class CodecWork:
                 self.mels.append(_Mel(h, mel, now))
         self._release_dead()
 
+    def _captures(self) -> int:
+        """Graphs captured so far by the flow and HiFT: a slice that captured one is counted
+        apart (``flow_capture``, ``hift_capture``), since its time is not a replay's."""
+        graphs = (getattr(self.flow, "graphs", None), getattr(self.hift, "graphs", None))
+        return sum(g.stats.captures for g in graphs if g is not None)
+
     def _release_dead(self) -> None:
         for seg in self._dead:
             self.release(seg)
@@ -209,13 +216,14 @@ class CodecWork:
         c["hift_jobs"] += len(batch)
         c["hift_frames"] += frames
         t = self.acct.start("hift", lambda ms: self.costs.observe_hift(frames, ms))
+        captures = self._captures()
         try:
             wavs = self.hift.run([HiftJob(m.hop.job.segment_id, m.mel.float(), m.hop.finalize) for m in batch])
         except Exception as e:
             self.acct.end(t)
             self._split_or_fail(batch, e, "HiFT")
             return
-        self.acct.end(t)
+        self.acct.end(t, "hift_capture" if self._captures() > captures else None)
         for m, w in zip(batch, wavs):
             self._to_host(m.hop, w[0])
 

@@ -1,0 +1,140 @@
+"""Prefill GPU time per token bucket under alternative fixed matmul tiles (one H200).
+
+The batch-invariant prefill fixes its matmul tiles by weight shape, never by row count. At the
+sizes continuous batching produces (a few prompts, 300-1,300 tokens) a 128x128 tile leaves most
+of the GPU's SMs idle on the narrow projections (q/k/v 1,152 wide, o and down 896 wide). This
+times each tile set on the prefill graphs the engine replays (CUDA events around replays of the
+captured bucket, so only GPU time counts), checks that its logits equal the shipped tiles', and
+profiles the kernels of one bucket:
+
+    python scripts/bench_prefill.py [--tokens 256,640,1280,2560] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from cosybatch.config import LLMConfig  # noqa: E402
+from cosybatch.engine import EngineConfig, LLMEngine  # noqa: E402
+from cosybatch.engine import triton_kernels as K  # noqa: E402
+from cosybatch.engine.prefill_graphs import PrefillGraphs  # noqa: E402
+from cosybatch.engine.random_model import random_lm  # noqa: E402
+
+SHIPPED = K.matmul_tiles
+# name -> (BM, BN, BK, warps, stages) for prefill matmuls, or a function of (n, k)
+VARIANTS = {
+    "shipped 128x128": None,
+    "64x128": (64, 128, 64, 4, 3),
+    "128x64": (128, 64, 64, 4, 3),
+    "64x64": (64, 64, 64, 4, 4),
+    "narrow N 64x64, wide 128x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (128, 128, 64, 8, 3),
+    "narrow N 64x64, wide 64x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (64, 128, 64, 4, 3),
+}
+
+
+def tiles_for(variant):
+    if variant is None:
+        return SHIPPED
+
+    def tiles(phase, n, k, elem_bytes=2):
+        if phase != "prefill":
+            return SHIPPED(phase, n, k, elem_bytes)
+        return variant(n, k) if callable(variant) else variant
+    return tiles
+
+
+def inputs(t: int, scratch_row: int, vocab: int, seqs: int) -> tuple[torch.Tensor, list[int]]:
+    """A prefill of ``seqs`` prompts of text ids packed into ``t`` tokens (rows: the scratch
+    row; slots: the first t, which the benchmark owns)."""
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(1000, vocab, (t,), generator=g)
+    per = t // seqs
+    pos = torch.arange(t) % per
+    last = [min(t, (i + 1) * per) - 1 for i in range(seqs)]
+    return torch.stack([ids, torch.zeros(t, dtype=torch.long), pos, torch.full((t,), scratch_row), torch.arange(t)]), last
+
+
+def time_bucket(pg: PrefillGraphs, inp, last, reps: int) -> tuple[float, torch.Tensor]:
+    out = pg.run(inp, last).clone()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = pg._graphs[next(b for b in pg.buckets if b >= inp.shape[1])][0]
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps, out
+
+
+def kernel_table(pg: PrefillGraphs, executor, inp, last, top: int = 8) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = executor.device
+    x, lst = inp.to(dev), torch.tensor(last, device=dev)
+    executor.prefill_from(x, lst)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        executor.prefill_from(x, lst)
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows) or 1.0
+    return [f"  {name[:60]:60s} {us / 1e3:7.3f} ms {100 * us / total:5.1f} % x{n}" for name, us, n in rows[:top]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="256,640,1280,2560")
+    ap.add_argument("--seqs", type=int, default=3, help="prompts per prefill (synth averages ~3)")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    cfg = LLMConfig()
+    lm = random_lm(cfg, device="cuda", dtype=torch.bfloat16)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    eng = LLMEngine(lm, EngineConfig(max_num_seqs=64, dtype="bfloat16", executor="triton", prefill_graph_tokens=0))
+    runner = eng.runner
+    ex, scratch = runner.executor, runner.num_rows
+    vocab = cfg.qwen.vocab_size
+    results, ref = {}, {}
+    for name, variant in VARIANTS.items():
+        K.matmul_tiles = tiles_for(variant)
+        try:
+            pg = PrefillGraphs(ex, scratch, scratch, tuple(tokens), runner._graph_pool)
+            row = {}
+            for t in tokens:
+                inp, last = inputs(t, scratch, vocab, a.seqs)
+                ms, out = time_bucket(pg, inp, last, a.reps)
+                ref.setdefault(t, out)  # the first variant is the shipped one
+                diff = (out - ref[t]).abs().max().item()
+                row[t] = {"ms": ms, "tokens_per_s": t / ms * 1e3, "max_abs_vs_shipped": diff}
+            results[name] = row
+            print(f"{name:32s} " + " ".join(f"{t}: {row[t]['ms']:6.3f} ms (diff {row[t]['max_abs_vs_shipped']:.1e})"
+                                            for t in tokens), flush=True)
+            if variant is None or name == "narrow N 64x64, wide 128x128":
+                print("\n".join(kernel_table(pg, ex, *inputs(tokens[1], scratch, vocab, a.seqs))), flush=True)
+        except Exception as e:  # a tile set that does not compile or fit: say so, go on
+            print(f"{name:32s} failed: {type(e).__name__}: {e}", flush=True)
+            results[name] = {"error": str(e)}
+        finally:
+            K.matmul_tiles = SHIPPED
+    print("\n| tiles | " + " | ".join(f"{t} tok ms" for t in tokens) + " |")
+    print("|---|" + "---|" * len(tokens))
+    for name, row in results.items():
+        if "error" in row:
+            print(f"| {name} | failed |")
+            continue
+        print(f"| {name} | " + " | ".join(f"{row[t]['ms']:.3f}" for t in tokens) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
