@@ -108,8 +108,9 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
         frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
                             split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
                             disk_cache=prompt_cache, warmup=False)
-    with clock.phase("frontend warm-up"):
-        frontend.warmup()
+    if f.warmup:
+        with clock.phase("frontend warm-up"):
+            frontend.warmup()
     pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
     clock.log()
     return pipeline

@@ -88,3 +88,26 @@ def test_bfloat16_prompt_features_are_part_of_the_resume_fingerprint(fixtures_di
             fe.backend, fe._impl = "onnxruntime", impl
     finally:
         synth.close()
+
+
+@pytest.mark.parametrize("profile,warmed", [("default", False), ("packed_streaming_optimized_standard", True)])
+def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed(model_dir, monkeypatch, profile,
+                                                                                 warmed):
+    """Bulk runs (``default``: frontend.warmup false) skip the per-length-bucket warm-up that
+    serves prompts trickling in; the streaming profiles keep it. Start-up's phases are timed."""
+    import torch
+
+    from cosybatch.frontend import Frontend
+    from cosybatch.pipeline import _fast_pipeline
+    from cosybatch.profiles import load_profile
+
+    calls = []
+    monkeypatch.setattr(Frontend, "warmup", lambda self: calls.append(self))
+    pipe = _fast_pipeline(model_dir, torch.device("cpu"), load_profile(profile))
+    try:
+        assert len(calls) == (1 if warmed else 0)
+        phases = pipe.startup.phases
+        assert {"models", "frontend", "AR engine", "codec"} <= set(phases)
+        assert ("frontend warm-up" in phases) == warmed
+    finally:
+        pipe.close()

@@ -46,6 +46,7 @@ class FrontendSettings:
     split_tf32: bool
     batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
     row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
+    warmup: bool  # every length bucket's shapes planned and captured at start-up
 
 
 def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
@@ -53,7 +54,7 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
         raise ProfileError(f"frontend.device=cuda needs a CUDA device, the run uses {device.type}")
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
-    return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.row_bucket)
+    return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.row_bucket, f.warmup)
 
 
 @dataclass(frozen=True)

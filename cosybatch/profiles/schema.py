@@ -85,6 +85,11 @@ class FrontendProfile:
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
     # rows; docs/performance.md)
     row_bucket: int = 1
+    # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
+    # short ones) so that prompts trickling in one by one meet planned shapes and captured
+    # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
+    # other shapes, which it does not cover.
+    warmup: bool = True
 
 
 @dataclass(frozen=True)
