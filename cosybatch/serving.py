@@ -142,7 +142,8 @@ class FastPipeline:
         busy = self.acct.busy_s()
         return {"frontend": self.prompts.busy_s + busy.get("frontend", 0.0),
                 "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
-                "flow": sum(v for k, v in busy.items() if k.startswith("flow")), "hift": sum(v for k, v in busy.items() if k.startswith("hift"))}
+                "flow": sum(v for k, v in busy.items() if k.startswith("flow")),
+                "hift": sum(v for k, v in busy.items() if k.startswith("hift"))}
 
     def timeline(self, reset: bool = False, wall_s: float | None = None, settle: bool = True) -> dict:
         """AR step times, slice durations, busy and idle shares, host time per iteration

@@ -16,8 +16,10 @@ log = logging.getLogger(__name__)
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere): the interpreter's
-    start and the imports come before any phase can be timed."""
+    """Seconds since this process started (Linux /proc; None elsewhere). A clock's first phase,
+    "process start and imports", is this age when the clock starts: the interpreter's start,
+    the imports and what the command did before loading (reading the manifest; for ``profile``
+    without one, building its workload the first time)."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
