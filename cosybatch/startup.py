@@ -40,7 +40,10 @@ class StartupClock:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Time the block; on CUDA its queued work is waited for, so a phase owns its GPU time."""
+        """Time the block; on CUDA its queued work is waited for, so a phase owns its GPU time.
+        Its start is logged: start-up takes tens of seconds on a GPU, and a person watching
+        should see which part is running."""
+        log.info("start-up: %s ...", name)
         t0 = time.perf_counter()
         try:
             yield

@@ -16,7 +16,7 @@ LAYERS = {
     "cosybatch.exits": (0, None), "cosybatch.hostcopy": (0, None), "cosybatch.cuda_graphs": (0, None),
     "cosybatch.graph_cache": (0, None),
     "cosybatch.runtime": (0, None), "cosybatch.requests": (0, None), "cosybatch.metrics": (0, None),
-    "cosybatch.sampling": (0, None), "cosybatch.devices": (0, None),
+    "cosybatch.sampling": (0, None), "cosybatch.devices": (0, None), "cosybatch.startup": (0, None),
     # 1: plain models, audio/text processing, checkpoints, manifests and output files
     "cosybatch.models": (1, None), "cosybatch.audio": (1, None), "cosybatch.text": (1, None),
     "cosybatch.checkpoint": (1, None), "cosybatch.manifest": (1, None), "cosybatch.writer": (1, None),
