@@ -20,9 +20,7 @@ import errno
 import logging
 import os
 import platform
-import re
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,15 +30,17 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import __version__
+from .disk_estimate import warn_if_short_of_space
 from .exits import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_exit_code, signal_name
+from .interrupts import DeferredInterrupts
 from .manifest import Manifest, ManifestRow
 from .progress import RunProgress, print_summary, stderr_console
 from .resume import ResumePlan, changed_message, fingerprint_sha, plan_resume
 from .row_records import base_record, ok_record, one_by_one
 from .sharding import ALL, Shard, select
 from .write_behind import WriteBehind
-from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, free_bytes, rates, read_ledgers,
-                     remove_quietly, remove_stale_tmp, wav_size, write_wav_atomic)
+from .writer import (TIMING_SCHEMA, WAV_SUBTYPES, Ledger, OutputFault, TimingWriter, rates, read_ledgers, remove_quietly,
+                     remove_stale_tmp, write_wav_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -91,44 +91,6 @@ def _out_lock(out_dir: Path, tag: str) -> Iterator[None]:
         os.close(fd)
 
 
-class _Interrupts:
-    """SIGINT/SIGTERM raise ``Interrupted``, except inside ``commit()`` where they wait, so the
-    run's first and last records are never cut in half. (Rows are committed on the writer
-    thread, where signals never arrive.)"""
-
-    def __init__(self) -> None:
-        self._pending: int | None = None
-        self._depth = 0
-        self._saved: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self._depth:
-            self._pending = signum
-            return
-        raise Interrupted(signum)
-
-    def __enter__(self) -> "_Interrupts":
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._saved[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._saved.items():
-            signal.signal(s, h)
-
-    @contextlib.contextmanager
-    def commit(self) -> Iterator[None]:
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-        if self._depth == 0 and self._pending is not None:
-            signum, self._pending = self._pending, None
-            raise Interrupted(signum)
-
-
 def _system_info(synth: Any) -> dict[str, Any]:
     try:
         desc = dict(synth.describe())
@@ -164,42 +126,6 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
-# Speaking rates behind the free-space estimate: CosyVoice3 reads about 14 characters of
-# English (or other alphabetic text) per second, and about 4 CJK characters per second;
-# 0.5 s covers leading/trailing silence. An estimate for a warning, not a limit.
-_CHARS_PER_S, _CJK_PER_S, _PAD_S = 14.0, 4.0, 0.5
-_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
-_RECORD_BYTES_PER_ROW = 2048  # its ledger line, plus its share of timing.json (rewritten via a temp copy)
-
-
-def estimated_audio_s(text: str) -> float:
-    """Seconds of speech a row's target text is likely to become."""
-    cjk = len(_CJK.findall(text))
-    return _PAD_S + (len(text) - cjk) / _CHARS_PER_S + cjk / _CJK_PER_S
-
-
-def estimated_output_bytes(rows: list[ManifestRow], sample_rate: int, subtype: str) -> tuple[int, float]:
-    """(bytes, audio seconds) this run is likely to write into OUT."""
-    audio = [estimated_audio_s(r.target_text) for r in rows]
-    wavs = sum(wav_size(int(a * sample_rate), subtype) for a in audio)
-    return wavs + len(rows) * _RECORD_BYTES_PER_ROW, sum(audio)
-
-
-def _warn_if_short_of_space(out: Path, rows: list[ManifestRow], sample_rate: Any, subtype: str) -> None:
-    free = free_bytes(out)
-    if free is None or not rows or not isinstance(sample_rate, int) or sample_rate <= 0:
-        return
-    need, audio_s = estimated_output_bytes(rows, sample_rate, subtype)
-    if need > free:
-        log.warning("%s has %s free, but %d row(s) need about %s (~%.0f s of %s audio at %d Hz, estimated from "
-                    "text length); the run stops cleanly when the disk fills", out, _mb(free), len(rows),
-                    _mb(need), audio_s, subtype, sample_rate)
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
 def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
               wav_subtype: str = "PCM_16", overwrite: bool = False, strict: bool = False,
               shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
@@ -232,7 +158,7 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
         if plan.changed:
             raise SettingsChanged(changed_message(plan, records, fp, out))
         invalid = manifest.problems_by_line() if shard.index == 0 else {}
-        _warn_if_short_of_space(out, plan.todo, getattr(synth, "sample_rate", None), wav_subtype)
+        warn_if_short_of_space(out, plan.todo, getattr(synth, "sample_rate", None), wav_subtype)
         return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, wav_subtype,
                     shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
 
@@ -323,7 +249,7 @@ class _Run:
         if self.plan.done:
             log.info("resuming: %d row(s) already done, %d to go", len(self.plan.done), len(self.plan.todo))
         ledger: Ledger | None = None
-        with _Interrupts() as intr, contextlib.ExitStack() as stack:
+        with DeferredInterrupts() as intr, contextlib.ExitStack() as stack:
             try:
                 ledger = stack.enter_context(Ledger(self.ledger_path))
                 self._begin(ledger, intr)
@@ -346,7 +272,7 @@ class _Run:
             return EXIT_FAILED
         return EXIT_OK
 
-    def _begin(self, ledger: Ledger, intr: _Interrupts) -> None:
+    def _begin(self, ledger: Ledger, intr: DeferredInterrupts) -> None:
         self.read_synth_stats()
         with intr.commit():
             ledger.append({"event": "run_start", "fp": self.fp_sha, "fingerprint": self.fp,
@@ -385,7 +311,7 @@ class _Run:
                     behind.put((row, RuntimeError("the synthesizer returned no result"), None))
             behind.drain()
 
-    def _end(self, ledger: Ledger | None, intr: _Interrupts) -> dict[str, Any]:
+    def _end(self, ledger: Ledger | None, intr: DeferredInterrupts) -> dict[str, Any]:
         """Last ledger line and timing.json; after a fault each may fail again (quietly)."""
         self.read_synth_stats()
         totals = self.totals()

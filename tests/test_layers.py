@@ -30,6 +30,7 @@ LAYERS = {
     # 5: running jobs: rows, resume, shards, workers, benchmarks, the command line
     **{f"cosybatch.{m}": (5, None) for m in ("runner", "resume", "sharding", "merge", "check", "progress", "bench",
                                             "workload", "multi", "worker", "ray", "ray_cli", "ray_stage", "row_records",
+                                            "interrupts", "disk_estimate",
                                             "synth_options", "cli", "__main__")},
 }
 

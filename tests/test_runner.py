@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cosybatch import disk_estimate
 from cosybatch import runner as runner_mod
 from cosybatch import writer
 from cosybatch.manifest import ManifestRow, read_manifest
 from cosybatch.merge import merge_outputs
-from cosybatch.runner import RunError, SettingsChanged, estimated_audio_s, run_synth
+from cosybatch.disk_estimate import estimated_audio_s, estimated_output_bytes
+from cosybatch.runner import RunError, SettingsChanged, run_synth
 from cosybatch.sharding import Shard, ShardError, assign, estimated_cost, parse_shard, select, shard_from_env
 from fake_disk import FullDisk
 from fake_synth import FakeSynth, expected_audio, guard_signals, make_manifest
@@ -211,15 +213,15 @@ def test_disk_full_before_the_first_row(tmp_path, monkeypatch, logs):
 def test_free_space_is_checked_before_starting(tmp_path, monkeypatch, logs):
     man = make_manifest(tmp_path, 4)
     rows = read_manifest(man).rows
-    need, audio_s = runner_mod.estimated_output_bytes(rows, 24000, "PCM_16")
+    need, audio_s = estimated_output_bytes(rows, 24000, "PCM_16")
     assert audio_s == pytest.approx(sum(0.5 + len(r.target_text) / 14 for r in rows))
     assert need > audio_s * 24000 * 2  # samples plus headers and records
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda p: need - 1)
+    monkeypatch.setattr(disk_estimate, "free_bytes", lambda p: need - 1)
     assert _run(man, FakeSynth(), tmp_path / "a").exit_code == 0  # a warning, not a refusal
     warned = [r.getMessage() for r in logs.records if "estimated from text length" in r.getMessage()]
     assert len(warned) == 1 and "4 row(s) need about" in warned[0] and "PCM_16 audio at 24000 Hz" in warned[0]
     logs.clear()
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda p: need)
+    monkeypatch.setattr(disk_estimate, "free_bytes", lambda p: need)
     _run(man, FakeSynth(), tmp_path / "b")
     assert not [r for r in logs.records if "estimated from text length" in r.getMessage()]
 
