@@ -255,32 +255,47 @@ def test_slices_that_capture_a_graph_are_counted_apart_and_teach_the_cost_model_
     from cosybatch.profiles import load_profile
     from cosybatch.serving import FastPipeline
 
-    class Capturing:  # the real runner, seen through a graph cache that "captures" on its first call
-        def __init__(self, inner):
-            self.inner, self.graphs = inner, SimpleNamespace(stats=SimpleNamespace(captures=0))
+    class Capturing:  # the real runner (or solve), seen through a graph cache that "captures" once
+        def __init__(self, inner, graphs=None):
+            self.inner = inner
+            self.graphs = graphs or SimpleNamespace(stats=SimpleNamespace(captures=0))
 
-        def run(self, jobs):
-            if self.graphs.stats.captures == 0:
-                self.graphs.stats.captures = 1
+        def _once(self):
+            self.graphs.stats.captures = max(self.graphs.stats.captures, 1)
+
+        def run(self, jobs):  # HiFT
+            self._once()
             return self.inner.run(jobs)
+
+        def start(self, jobs):  # the flow: its first Euler steps capture
+            return Capturing(self.inner.start(jobs), self.graphs)
+
+        def step(self, n=1):
+            self._once()
+            return self.inner.step(n)
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
     models, frontend = parts
     pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
-    learned = []
-    observe = pipe.codec.costs.observe_hift
-    pipe.codec.costs.observe_hift = lambda frames, ms: learned.append(ms) or observe(frames, ms)
-    pipe.codec.hift = Capturing(pipe.codec.hift)
+    learned = {"hift": [], "flow": []}
+    costs = pipe.codec.costs
+    hift_obs, flow_obs = costs.observe_hift, costs.observe_flow_step
+    costs.observe_hift = lambda frames, ms: learned["hift"].append(ms) or hift_obs(frames, ms)
+    costs.observe_flow_step = lambda tokens, ms: learned["flow"].append(ms) or flow_obs(tokens, ms)
+    pipe.codec.hift, pipe.codec.flow = Capturing(pipe.codec.hift), Capturing(pipe.codec.flow)
     try:
-        for row in _rows(fixtures_dir)[:2]:  # one after the other: two HiFT batches
+        for row in _rows(fixtures_dir)[:2]:  # one after the other: two HiFT batches, two solves
             _, ends = _drain(pipe, [(row.utt_id, row, False)], force_tokens=20)
             assert ends[row.utt_id].kind == "done"
         ms = pipe.acct.ms
-        assert len(ms["hift_capture"]) == 1 and len(ms["hift"]) >= 1
-        assert len(learned) == len(ms["hift"])
-        assert pipe.stage_busy()["hift"] == pytest.approx((sum(ms["hift"]) + sum(ms["hift_capture"])) / 1e3)
-        assert "flow_capture" not in ms  # the CPU flow has no graphs
+        for kind in ("hift", "flow"):
+            replays = ms[kind if kind == "hift" else "flow_step"]
+            assert len(ms[f"{kind}_capture"]) == 1 and len(replays) >= 1, kind
+            assert len(learned[kind]) == len(replays), kind
+        busy = pipe.stage_busy()
+        assert busy["hift"] == pytest.approx((sum(ms["hift"]) + sum(ms["hift_capture"])) / 1e3)
+        assert busy["flow"] >= (sum(ms["flow_step"]) + sum(ms["flow_capture"])) / 1e3 - 1e-9
     finally:
         pipe.close()
