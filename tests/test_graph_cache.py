@@ -15,8 +15,9 @@ class FakeCaptured:
     def __init__(self, fn, inputs):
         self.fn = fn
         self.static_inputs = [x.clone() for x in inputs]
-        out = fn(*self.static_inputs)
+        out = fn(*self.static_inputs)  # the warm-up call, eager, like CudaGraphBackend's
         self.static_output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        self.warm_output = out
         self.replays = 0
 
     def replay(self):
@@ -62,6 +63,32 @@ def test_captures_on_nth_use_then_replays():
     st = cache.stats
     assert (st.calls, st.eager, st.captures, st.hits, st.graphs) == (4, 2, 1, 1, 1)
     assert st.hit_rate == 0.25
+
+
+def test_the_capturing_call_returns_the_warm_up_result_without_a_replay():
+    """The warm-up already computed the capturing call's result: it is returned (owned: later
+    replays leave it alone) instead of replaying the same; a warm-up result that aliases the
+    static inputs (which replays overwrite) is replayed and cloned instead."""
+    made = []
+    be = FakeBackend()
+    real_capture = be.capture
+    be.capture = lambda fn, inputs: made.append(real_capture(fn, inputs)) or made[-1]
+    cache = GraphCache(double, capture_after=1, backend=be)
+    first = cache(x_of(4, 3))
+    assert torch.equal(first, x_of(4, 6)) and made[0].replays == 0
+    second = cache(x_of(4, 5))
+    assert torch.equal(second, x_of(4, 10)) and made[0].replays == 1
+    assert torch.equal(first, x_of(4, 6)) and made[0].warm_output is None  # handed over, not kept
+
+    def identity(x):
+        return x  # its result is the static input itself
+
+    cache = GraphCache(identity, capture_after=1, backend=be)
+    out = cache(x_of(4, 3))
+    assert torch.equal(out, x_of(4, 3)) and made[1].replays == 1
+    assert out.untyped_storage().data_ptr() != made[1].static_inputs[0].untyped_storage().data_ptr()
+    cache(x_of(4, 9))
+    assert torch.equal(out, x_of(4, 3))
 
 
 def test_key_is_exact_shape_dtype_static_and_precision():
