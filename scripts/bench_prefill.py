@@ -74,7 +74,7 @@ def time_bucket(pg: PrefillGraphs, inp, last, reps: int) -> tuple[float, torch.T
     return start.elapsed_time(end) / reps, out
 
 
-def kernel_table(pg: PrefillGraphs, executor, inp, last, top: int = 8) -> list[str]:
+def kernel_table(executor, inp, last, top: int = 8) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     dev = executor.device
@@ -120,7 +120,7 @@ def main() -> None:
             print(f"{name:32s} " + " ".join(f"{t}: {row[t]['ms']:6.3f} ms (diff {row[t]['max_abs_vs_shipped']:.1e})"
                                             for t in tokens), flush=True)
             if variant is None or name == "narrow N 64x64, wide 128x128":
-                print("\n".join(kernel_table(pg, ex, *inputs(tokens[1], scratch, vocab, a.seqs))), flush=True)
+                print("\n".join(kernel_table(ex, *inputs(tokens[1], scratch, vocab, a.seqs))), flush=True)
         except Exception as e:  # a tile set that does not compile or fit: say so, go on
             print(f"{name:32s} failed: {type(e).__name__}: {e}", flush=True)
             results[name] = {"error": str(e)}
