@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
+# steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
 #        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests prefill
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
@@ -21,6 +21,9 @@ if ! python3 -c "import soundfile" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1;
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# The parity fixtures do not travel with the repository: copy them into the ignored .fixtures/
+# (`cp -r ../shared/fixtures/cv3-tiny .fixtures/`) and carry it, so the fixture tests run here too.
+[ -d .fixtures/cv3-tiny ] && export COSYBATCH_FIXTURES=$PWD/.fixtures
 CB="python3 -m cosybatch"
 CKPT=/tmp/ckpt-full
 WL=/tmp/en1088
@@ -65,8 +68,8 @@ PY
 for step in "$@"; do
   case $step in
     tests) setup; log "pytest -m gpu"
-      COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
-      echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip" "$OUT/gpu_tests.txt" | tail -30 ;;
+      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip|dB" "$OUT/gpu_tests.txt" | tail -40 ;;
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
         --full-jobs 64 --stream-rows 32 --reps 1 --json "$OUT/bench_codec.json" 2>&1 | tee "$OUT/bench_codec.txt" | grep -v "^#" ;;
@@ -86,6 +89,9 @@ for step in "$@"; do
       COSYBATCH_FRONTEND_DIR=$CKPT timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_frontend_gpu.py \
         > "$OUT/frontend_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/frontend_tests.txt"
       grep -E "passed|failed|error|frontend-gpu" "$OUT/frontend_tests.txt" | cut -c1-400 | tail -14 ;;
+    pipetests) log "pytest -m gpu tests/test_pipeline_gpu.py (needs .fixtures)"
+      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_pipeline_gpu.py \
+        > "$OUT/pipeline_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/pipeline_tests.txt"; grep -E "passed|failed|Error|dB" "$OUT/pipeline_tests.txt" | tail -30 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv " "$OUT/flow_tests.txt" | tail -24 ;;
