@@ -8,12 +8,13 @@ On the fixture checkpoint, streaming and whole responses:
 2. The shipped ``default`` profile's arithmetic (bf16 LM and flow, TF32 HiFT): a row's tokens are
    the same whether it runs alone or packed with the others (batch invariance through the
    scheduler), and its audio alone and packed agree within ``PACKED_MIN_SNR_DB``.
-3. A bf16 flow behind a float32 LM (so the tokens are the official ones): the audio is within
-   ``BF16_MIN_SNR_DB`` of the official waveforms.
+3. A bf16 flow behind a float32 LM (so the tokens are the official ones): the mels it hands HiFT
+   are within ``BF16_MEL_REL_RMS`` of the official mels.
 
-The bf16 bounds sit below what the H200 gave (docs/performance.md, tenth session) and well above
-what a real fault gives: one wrong token <= 8.3 dB, a final chunk with the chunk mask instead of
-full attention <= 15 dB (``tests/parity.py``).
+Packed and alone differ only in how GEMMs over other shapes round in bf16: the bound sits below
+what the H200 gave (docs/performance.md, tenth session) and above what a real fault gives (one
+wrong token <= 8.3 dB, a final chunk with the chunk mask instead of full attention <= 15 dB,
+``tests/parity.py``).
 """
 
 import json
@@ -36,7 +37,7 @@ if DEV.type == "cuda" and not torch.cuda.is_available():  # pragma: no cover - C
 FP32 = ["ar.dtype=float32", "codec.flow_dtype=float32", "codec.hift_tf32=false"]
 SMALL = ["ar.max_num_seqs=3", "codec.max_num_seqs=2"]  # packed calls of several rows, queues too
 PACKED_MIN_SNR_DB = 20.0
-BF16_MIN_SNR_DB = 20.0
+BF16_MEL_REL_RMS = 1.5e-2  # the flow's bf16 bound (tests/test_codec_flow_gpu.py)
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +112,8 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
         assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
         for i, (got, w) in enumerate(zip(chunks[row], want[row])):
             assert_wave_close(got, w, (mode, row, i))
-    if DEV.type == "cuda":
-        assert graphs["flow"]["replays"] > 0 and graphs["hift"]["hits"] + graphs["hift"]["captures"] > 0, graphs
+    if DEV.type == "cuda":  # (float32 attention runs through SDPA, which the flow does not graph)
+        assert graphs["hift"]["hits"] + graphs["hift"]["captures"] > 0, graphs
 
 
 def _snr(a, b) -> float:
@@ -141,16 +142,43 @@ def test_bf16_row_alone_equals_the_row_packed_with_others(parts, fixtures_dir, m
         assert snr >= PACKED_MIN_SNR_DB, (mode, u, snr)
 
 
+def _rel_rms(a, b) -> float:
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
 @pytest.mark.parametrize("mode", ["full", "streaming"])
-def test_bf16_flow_within_bound_of_official(parts, fixtures_dir, reference_dir, mode):
+def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_dir, mode):
+    """Mels, not waveforms: the sine source's phase is a running sum of F0 over the utterance, so
+    any mel change (bf16 rounding included) turns into phase drift (f0 x (1 + 1e-4) alone gives
+    ~6 dB). The mels the codec hands HiFT are the quantity bf16 changes."""
     stream = mode == "streaming"
     pipe = _pipeline(parts, ["ar.dtype=float32"] + SMALL + [f"mode={mode}"])
-    chunks, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
+    mels, run = {}, pipe.codec.hift.run
+
+    def record(jobs):
+        for j in jobs:
+            mels.setdefault(j.segment_id, []).append(j.mel.detach().float().cpu())
+        return run(jobs)
+
+    pipe.codec.hift.run = record
+    _, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
+    flow = pipe.timeline()["graphs"]["flow"]
     pipe.close()
-    want_tokens, want = _official(reference_dir, stream)
-    assert tokens == want_tokens  # a float32 LM: the official tokens, so the audio is comparable
+    want_tokens, _ = _official(reference_dir, stream)
+    assert tokens == want_tokens  # a float32 LM: the official tokens, so the mels are comparable
+    assert DEV.type != "cuda" or flow["replays"] > 0, flow
+    worst = 0.0
     for row in ROWS:
-        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
-        snr = _snr(chunks[row], want[row])
-        print(f"{mode} {row}: bf16 flow vs official {snr:.1f} dB")
-        assert snr >= BF16_MIN_SNR_DB, (mode, row, snr)
+        ref = load_ref(reference_dir, row)
+        meta = json.loads((reference_dir / f"{row}.json").read_text())
+        for s in range(len(meta["segments"])):
+            got = mels[f"{row}#{s}"]
+            if stream:
+                want = [ref[f"stream.seg{s}.chunk{c['chunk']}.mel"] for c in meta["stream_chunks"] if c["segment"] == s]
+            else:
+                want = [ref[f"nonstream.seg{s}.mel"]]
+            assert [g.shape for g in got] == [w.shape for w in want], (row, s)
+            err = _rel_rms(torch.cat(got, 2), torch.cat(want, 2))
+            print(f"{mode} {row} seg{s}: bf16 flow mels vs official rel RMS {err:.2e}")
+            worst = max(worst, err)
+    assert worst <= BF16_MEL_REL_RMS, worst

@@ -299,3 +299,20 @@ def test_slices_that_capture_a_graph_are_counted_apart_and_teach_the_cost_model_
         assert busy["flow"] >= (sum(ms["flow_step"]) + sum(ms["flow_capture"])) / 1e3 - 1e-9
     finally:
         pipe.close()
+
+
+def test_float32_flow_on_cuda_gets_an_attention_that_runs_float32(parts):
+    """FlashAttention's kernels take fp16/bf16 only: ``auto`` picks SDPA for a float32 flow (rows
+    failed with "FlashAttention only support fp16 and bf16" before), and an explicit varlen or
+    flash with a float32 flow is a profile error, before any model work."""
+    from cosybatch.codec.attention import make_backend
+    from cosybatch.profiles import ProfileError, load_profile
+    from cosybatch.profiles.resolve import resolve
+
+    assert make_backend("auto", "cuda", torch.float32).name == "sdpa"
+    for name in ("varlen", "flash"):
+        with pytest.raises(ValueError, match="fp16/bf16 only"):
+            make_backend(name, "cuda", torch.float32)
+        with pytest.raises(ProfileError, match="fp16/bf16 only"):
+            resolve(load_profile("default", FP32 + [f"codec.attention={name}"]), parts[0].cfg, torch.device("cuda"))
+    assert resolve(load_profile("default", FP32), parts[0].cfg, torch.device("cuda")).codec.attention == "auto"

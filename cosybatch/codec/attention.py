@@ -149,9 +149,14 @@ def varlen_available(device) -> bool:
     return torch.device(device).type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def make_backend(name: str, device):
+def make_backend(name: str, device, dtype: torch.dtype = torch.bfloat16):
+    """``auto``: FlashAttention's varlen kernel where it runs (CUDA, fp16/bf16), else SDPA."""
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "varlen" if varlen_available(device) else "sdpa"
+        name = "varlen" if half and varlen_available(device) else "sdpa"
+    if name in ("varlen", "flash") and not half:
+        raise ValueError(f"codec.attention={name} runs in fp16/bf16 only (FlashAttention), not {dtype}; "
+                         "use sdpa or auto with codec.flow_dtype=float32")
     if name == "sdpa":
         return SdpaBackend()
     if name == "varlen":

@@ -108,7 +108,7 @@ class FlowRunner:
         self.dit = est if est.proj_out.weight.dtype == self.dtype else copy.deepcopy(est).to(self.dtype)
         dit_cfg = self.cfg.dit
         self.heads, self.inner = dit_cfg.heads, dit_cfg.heads * dit_cfg.dim_head
-        self.backend = make_backend(attention, self.device)
+        self.backend = make_backend(attention, self.device, self.dtype)
         self.chunk_causal_final = chunk_causal_final
         k = dit_cfg.conv_pos_kernel
         self.conv_gap = k - 1  # zero frames between rows in the conv layout

@@ -113,8 +113,12 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     if not o.cached_istft:
         log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
                     "ISTFT (bit-equal to torch.istft)")
+    flow_dtype = resolve_dtype(c.flow_dtype, device)
+    if c.attention in ("varlen", "flash") and flow_dtype == torch.float32:
+        raise ProfileError(f"codec.attention={c.attention} runs in fp16/bf16 only (FlashAttention); "
+                           "codec.flow_dtype=float32 needs codec.attention=sdpa or auto")
     codec = CodecConfig(
-        max_num_seqs=c.max_num_seqs, flow_dtype=resolve_dtype(c.flow_dtype, device), attention=c.attention,
+        max_num_seqs=c.max_num_seqs, flow_dtype=flow_dtype, attention=c.attention,
         prefix_budget_bytes=int(o.prefix_budget_gb * (1 << 30)) if o.prefix_reuse else 0,
         chunk_causal_final=o.chunk_causal_final, flow_compile=o.flow_compile,
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
