@@ -37,7 +37,11 @@ if DEV.type == "cuda" and not torch.cuda.is_available():  # pragma: no cover - C
 FP32 = ["ar.dtype=float32", "codec.flow_dtype=float32", "codec.hift_tf32=false"]
 SMALL = ["ar.max_num_seqs=3", "codec.max_num_seqs=2"]  # packed calls of several rows, queues too
 PACKED_MIN_SNR_DB = 20.0
-BF16_MEL_REL_RMS = 1.5e-2  # the flow's bf16 bound (tests/test_codec_flow_gpu.py)
+# The fixture's tiny random flow rounds more in bf16 than the wider one of test_codec_flow_gpu.py:
+# measured on the H200 1.76e-2 to 1.90e-2 over every segment, streaming and full. One wrong token
+# moves these mels by 5.0e-2 to 7.6e-2 (CPU, float32, utt1-utt4), so this bound catches wrong
+# tokens, frames or prompts; the chunk masks' semantics (1e-2 here) are the float32 test's job.
+BF16_MEL_REL_RMS = 3e-2
 
 
 @pytest.fixture(scope="module")
