@@ -68,7 +68,7 @@ PY
 for step in "$@"; do
   case $step in
     tests) setup; log "pytest -m gpu"
-      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
+      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -rs -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip|dB" "$OUT/gpu_tests.txt" | tail -40 ;;
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \

@@ -1,0 +1,51 @@
+"""scripts/flow_bound.py: the flow's work and the rate a target needs, from a run's counters."""
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _timing(path: Path) -> None:
+    """A synth timing.json whose numbers make the answer easy to check by hand: 100 s of audio in
+    1 s, 1,000 tokens per Euler step over 2 solves, flow steps 0.4 s + a 0.1 s capture, AR steps of
+    2 ms, 0.1 s each of prefill, HiFT and frontend."""
+    slices = {"flow_step": 400.0, "flow_capture": 100.0, "flow_start": 50.0, "hift_capture": 70.0,
+              "ar_prefill": 100.0, "hift": 100.0, "frontend": 100.0, "ar_decode": 999.0}
+    tl = {"batches": {"flow_tokens_per_step": 1000.0, "flow_calls": 2}, "ar_step_ms": {"p50": 2.0},
+          "slice_ms": {k: {"total": v} for k, v in slices.items()}}
+    with gzip.open(path, "wt") as f:
+        json.dump({"totals": {"audio_s": 100.0, "wall_s": 1.0, "timeline": tl}}, f)
+
+
+def test_required_flow_rate_from_a_synth_timing(tmp_path):
+    from cosybatch.config import FlowConfig
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_codec import token_flops
+        from flow_bound import bound, load
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    _timing(tmp_path / "timing.json.gz")
+    cfg = FlowConfig()
+    out = bound(load(tmp_path / "timing.json.gz"), target=50.0, ar_rows=10, cfg=cfg)
+    work = 2000 * cfg.n_timesteps * token_flops(cfg)
+    assert out["flow_work_pflop"] == pytest.approx(work / 1e15)
+    assert out["flow_tflops_measured"] == pytest.approx(work / 0.5 / 1e12)  # steps + capture
+    # window 2 s; decode 100 s x 25 tokens/s / 10 rows x 2 ms = 0.5 s; 0.3 s for the others
+    assert out["other_stages_s"]["ar_decode"] == pytest.approx(0.5)
+    assert out["flow_share_s"] == pytest.approx(2.0 - 0.8)
+    assert out["flow_tflops_needed"] == pytest.approx(work / 1.2 / 1e12)
+
+
+def test_a_synth_timing_needs_the_ar_admission(tmp_path):
+    _timing(tmp_path / "timing.json.gz")
+    r = subprocess.run([sys.executable, str(REPO / "scripts/flow_bound.py"), str(tmp_path / "timing.json.gz"),
+                        "--target", "50"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--ar-rows" in r.stderr
