@@ -26,7 +26,7 @@ import torch
 
 from conftest import ROWS, load_ref
 from parity import assert_wave_close, wave_error
-from test_serving import _rows
+from test_serving import _rows, official
 
 pytestmark = pytest.mark.gpu
 
@@ -86,23 +86,6 @@ def _run(pipe, rows, stream, concurrency):
     return chunks, tokens
 
 
-def _official(reference_dir, stream):
-    """(tokens per (utt, segment), waveform per chunk per utt) of the official implementation."""
-    toks, waves = {}, {}
-    for row in ROWS:
-        ref = load_ref(reference_dir, row)
-        meta = json.loads((reference_dir / f"{row}.json").read_text())
-        if stream:
-            names = [f"stream.seg{c['segment']}.chunk{c['chunk']}" for c in meta["stream_chunks"]]
-        else:
-            names = [f"nonstream.seg{s}" for s in range(len(meta["segments"]))]
-        waves[row] = [ref[f"{n}.wav"][0].numpy() for n in names]
-        mode = "stream" if stream else "nonstream"
-        for s in range(len(meta["segments"])):
-            toks[(row, s)] = ref[f"{mode}.seg{s}.speech_token"].tolist()  # the flow's input
-    return toks, waves
-
-
 @pytest.mark.parametrize("mode", ["full", "streaming"])
 def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_dir, mode):
     stream = mode == "streaming"
@@ -110,7 +93,7 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
     chunks, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
     graphs = pipe.timeline()["graphs"]
     pipe.close()
-    want_tokens, want = _official(reference_dir, stream)
+    want_tokens, want = official(reference_dir, stream)
     assert tokens == want_tokens
     for row in ROWS:
         assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
@@ -168,7 +151,7 @@ def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_
     _, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
     flow = pipe.timeline()["graphs"]["flow"]
     pipe.close()
-    want_tokens, _ = _official(reference_dir, stream)
+    want_tokens, _ = official(reference_dir, stream)
     assert tokens == want_tokens  # a float32 LM: the official tokens, so the mels are comparable
     assert DEV.type != "cuda" or flow["replays"] > 0, flow
     worst = 0.0

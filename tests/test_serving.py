@@ -64,6 +64,23 @@ def _drain(pipe, requests, force_tokens=None, together=False):
     return chunks, ends
 
 
+def official(reference_dir, stream: bool) -> tuple[dict, dict]:
+    """The official implementation's (flow tokens per (utt, segment), waveform per chunk per utt)."""
+    toks, waves = {}, {}
+    for row in ROWS:
+        ref = load_ref(reference_dir, row)
+        meta = json.loads((reference_dir / f"{row}.json").read_text())
+        if stream:
+            names = [f"stream.seg{c['segment']}.chunk{c['chunk']}" for c in meta["stream_chunks"]]
+        else:
+            names = [f"nonstream.seg{s}" for s in range(len(meta["segments"]))]
+        waves[row] = [ref[f"{n}.wav"][0].numpy() for n in names]
+        mode = "stream" if stream else "nonstream"
+        for s in range(len(meta["segments"])):
+            toks[(row, s)] = ref[f"{mode}.seg{s}.speech_token"].tolist()  # the flow's input
+    return toks, waves
+
+
 @pytest.mark.parametrize("mode", ["full", "streaming"])
 def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode):
     from cosybatch.profiles import load_profile
@@ -78,16 +95,10 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     chunks, ends = _drain(pipe, [(r.utt_id, r, stream) for r in rows])
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())
+    _, want = official(reference_dir, stream)
     for row in ROWS:
-        ref = load_ref(reference_dir, row)
-        meta = json.loads((reference_dir / f"{row}.json").read_text())
-        if stream:
-            names = [f"stream.seg{c['segment']}.chunk{c['chunk']}" for c in meta["stream_chunks"]]
-        else:
-            names = [f"nonstream.seg{s}" for s in range(len(meta["segments"]))]
-        want = [ref[f"{n}.wav"][0].numpy() for n in names]
-        assert [len(c) for c in chunks[row]] == [len(w) for w in want], row
-        for i, (got, w) in enumerate(zip(chunks[row], want)):
+        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
+        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
             assert_wave_close(got, w, (row, i))  # tests/parity.py: why SNR + a phase-tolerant max
 
 
