@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cosybatch.codec.attention import check_dtype
 from cosybatch.codec.config import CodecConfig
 from cosybatch.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
@@ -114,9 +115,10 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
                     "ISTFT (bit-equal to torch.istft)")
     flow_dtype = resolve_dtype(c.flow_dtype, device)
-    if c.attention in ("varlen", "flash") and flow_dtype == torch.float32:
-        raise ProfileError(f"codec.attention={c.attention} runs in fp16/bf16 only (FlashAttention); "
-                           "codec.flow_dtype=float32 needs codec.attention=sdpa or auto")
+    try:  # before any model work, as a profile error
+        check_dtype(c.attention, flow_dtype)
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
     codec = CodecConfig(
         max_num_seqs=c.max_num_seqs, flow_dtype=flow_dtype, attention=c.attention,
         prefix_budget_bytes=int(o.prefix_budget_gb * (1 << 30)) if o.prefix_reuse else 0,
