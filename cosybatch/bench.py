@@ -254,6 +254,8 @@ def result_table(result: BenchResult, title: str):
         rows.append(("AR decode step in the pipeline p50 / p90 (ms)", f"{a['p50']:.2f} / {a['p90']:.2f}"))
     if tl.get("gpu_idle_share") is not None:
         rows.append(("GPU idle share of wall", f"{tl['gpu_idle_share']:.0%}"))
+    if tl.get("flow_tflops") is not None:
+        rows.append(("flow TFLOP/s over its GPU time (steps and captures)", f"{tl['flow_tflops']:.4g}"))
     queue = tl.get("slice_queue_ms") or {}
     for k, v in (tl.get("busy_share") or {}).items():
         q = f", host queueing it {queue[k] / 1e3 / result.wall_s:.0%}" if k in queue and result.wall_s else ""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from cosybatch.codec.flops import solve_flops
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner
 from cosybatch.codec.hift_runner import HiftRunner
 from cosybatch.codec.hops import Chunk, HopSchedule, SegmentPlanner
@@ -169,6 +170,12 @@ class FastPipeline:
             if g and "captures" in g:
                 g["captures_in_window"] = g["captures"] - self._capture_base.get(k, 0)
         out["graphs"] = graphs
+        # The flow's arithmetic rate inside the pipeline: its work (linear, conv and attention;
+        # padding not counted) over the GPU time of its steps and captures (a capture also runs
+        # its step once eagerly, so this errs low). What the flow costs decides most targets.
+        flow_ms = sum(out.get("slice_ms", {}).get(k, {}).get("total", 0.0) for k in ("flow_step", "flow_capture"))
+        work = solve_flops(self.cfg.flow, d["flow_tokens"], d["flow_attn_pairs"])
+        out["flow_tflops"] = float(f"{work / flow_ms / 1e9:.4g}") if flow_ms else None
         if reset:
             self.acct.reset()
             self._counter_base = now
@@ -191,7 +198,7 @@ class FastPipeline:
         es = self.engine.stats
         pg = self.engine.runner.prefill_graphs
         return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
-                "flow_padded": fs["padded_tokens"], **self.codec.counts,
+                "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
                 "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
                 "prefill_graphed": pg.replays if pg is not None else 0}
 

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cosybatch.codec.flops import dit_token_flops, solve_flops  # noqa: E402
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
 from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
 from cosybatch.config import FlowConfig  # noqa: E402
@@ -47,24 +48,12 @@ def build_flow(size: str, device) -> CausalMaskedDiffWithDiT:
     return CausalMaskedDiffWithDiT(cfg).eval().to(device)
 
 
-def token_flops(cfg: FlowConfig) -> float:
-    """Linear + conv FLOPs of one DiT pass per token (AdaLN is per step, not per token)."""
-    d = cfg.dit
-    inner, ff = d.heads * d.dim_head, d.dim * d.ff_mult
-    block = 3 * d.dim * inner + inner * d.dim + 2 * d.dim * ff
-    conv = 2 * d.dim * (d.dim // d.conv_pos_groups) * d.conv_pos_kernel
-    macs = d.depth * block + (2 * d.mel_dim + d.mu_dim + d.spk_dim) * d.dim + conv + d.dim * d.out_channels
-    return 2.0 * macs
-
-
 def work(cfg: FlowConfig, stats_before: dict, stats_after: dict) -> tuple[float, int, int]:
     """(FLOPs, processed tokens, output frames) between two snapshots of ``runner.stats``."""
     tok = stats_after["tokens"] - stats_before["tokens"]
     pairs = stats_after["attn_pairs"] - stats_before["attn_pairs"]
     out = stats_after["output_frames"] - stats_before["output_frames"]
-    d = cfg.dit
-    flops = cfg.n_timesteps * (tok * token_flops(cfg) + 4.0 * d.heads * d.dim_head * d.depth * pairs)
-    return flops, tok, out
+    return solve_flops(cfg, tok, pairs), tok, out
 
 
 def make_rows(cfg, n_rows, prompt_tokens, target_tokens, device, seed=0):
@@ -276,10 +265,10 @@ def main(argv=None):
     args.no_triton = args.no_triton or not args.device.startswith("cuda")
     budget = int(args.prefix_budget_gb * (1 << 30))
     variants = [v for v in args.variants.split(",") if v]
-    results = {"args": vars(args), "token_gflop": token_flops(cfg) / 1e9, "full": [], "stream": []}
+    results = {"args": vars(args), "token_gflop": dit_token_flops(cfg.dit) / 1e9, "full": [], "stream": []}
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
-    print(f"# flow bench: size={args.size} dtype={args.dtype} device={args.device} token GFLOP/pass={token_flops(cfg) / 1e9:.4f}", flush=True)
+    print(f"# flow bench: size={args.size} dtype={args.dtype} device={args.device} token GFLOP/pass={dit_token_flops(cfg.dit) / 1e9:.4f}", flush=True)
 
     if args.conv:
         results["conv"] = _guard("conv", bench_conv, flow, dtype, args)

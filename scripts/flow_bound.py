@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_codec import token_flops  # noqa: E402  (scripts/: one DiT pass's linear + conv FLOPs per token)
+from cosybatch.codec.flops import solve_flops  # noqa: E402
 from cosybatch.config import FlowConfig  # noqa: E402
 
 TOKEN_RATE = 25.0  # speech tokens per second of audio (CosyVoice3)
@@ -47,7 +47,7 @@ def bound(run: dict, target: float, ar_rows: int, cfg: FlowConfig) -> dict:
     tl = run["timeline"]
     b, ms = tl["batches"], {k: v["total"] / 1e3 for k, v in tl["slice_ms"].items()}
     tokens = b["flow_tokens_per_step"] * b["flow_calls"]  # per Euler step, over the run
-    work = tokens * cfg.n_timesteps * token_flops(cfg)
+    work = solve_flops(cfg, tokens)  # attention pairs left out: older results lack them
     flow_s = ms.get("flow_step", 0.0) + ms.get("flow_capture", 0.0)
     window = run["audio_s"] / target
     decode_steps = run["audio_s"] * TOKEN_RATE / ar_rows

@@ -292,6 +292,7 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     # on the CPU the tokens' read waits for nothing, so the wait is a small part of an iteration
     assert 0 <= tl["host_wait_share"] < 1
     assert 0 < tl["host_busy_ms_per_iteration"]["mean"] <= tl["host_ms_per_iteration"]["mean"]
+    assert tl["flow_tflops"] > 0  # the flow's work over its slices' time
     assert doc["completed"] == 4 and doc["failed"] == 0 and doc["audio_throughput"] > 0
     assert all(t is not None and t > 0 for t in doc["ttfps"])
 
@@ -327,10 +328,11 @@ def test_the_table_shows_each_slice_kinds_gpu_share_beside_the_host_time_queuein
 
     clock = FakeClock()
     res = run_closed_loop(FakePipeline(clock), reqs(2), concurrency=2, num_warmups=0, clock=clock)
-    res.timeline = {"busy_share": {"hift": 0.2, "flow_step": 0.5},
+    res.timeline = {"busy_share": {"hift": 0.2, "flow_step": 0.5}, "flow_tflops": 187.25,
                     "slice_queue_ms": {"hift": res.wall_s * 0.18e3, "flow_step": res.wall_s * 0.02e3}}
     console = Console(width=200, record=True)
     console.print(result_table(res, "t"))
     text = console.export_text()
     assert "GPU busy: hift (share of wall)" in text and "20%, host queueing it 18%" in text
     assert "50%, host queueing it 2%" in text
+    assert "flow TFLOP/s over its GPU time (steps and captures)" in text and "187.2" in text

@@ -26,16 +26,17 @@ def _timing(path: Path) -> None:
 def test_required_flow_rate_from_a_synth_timing(tmp_path):
     from cosybatch.config import FlowConfig
 
+    from cosybatch.codec.flops import dit_token_flops
+
     sys.path.insert(0, str(REPO / "scripts"))
     try:
-        from bench_codec import token_flops
         from flow_bound import bound, load
     finally:
         sys.path.remove(str(REPO / "scripts"))
     _timing(tmp_path / "timing.json.gz")
     cfg = FlowConfig()
     out = bound(load(tmp_path / "timing.json.gz"), target=50.0, ar_rows=10, cfg=cfg)
-    work = 2000 * cfg.n_timesteps * token_flops(cfg)
+    work = 2000 * cfg.n_timesteps * dit_token_flops(cfg.dit)
     assert out["flow_work_pflop"] == pytest.approx(work / 1e15)
     assert out["flow_tflops_measured"] == pytest.approx(work / 0.5 / 1e12)  # steps + capture
     # window 2 s; decode 100 s x 25 tokens/s / 10 rows x 2 ms = 0.5 s; 0.3 s for the others
