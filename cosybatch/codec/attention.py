@@ -149,9 +149,12 @@ def varlen_available(device) -> bool:
     return torch.device(device).type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
+_HALF = (torch.float16, torch.bfloat16)  # what FlashAttention's kernels take
+
+
 def check_dtype(name: str, dtype: torch.dtype) -> None:
     """FlashAttention's kernels (``varlen``, ``flash``) take fp16/bf16 only."""
-    if name in ("varlen", "flash") and dtype not in (torch.float16, torch.bfloat16):
+    if name in ("varlen", "flash") and dtype not in _HALF:
         raise ValueError(f"codec.attention={name} runs in fp16/bf16 only (FlashAttention), not {dtype}; "
                          "a float32 flow needs codec.attention=sdpa or auto")
 
@@ -159,7 +162,7 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
 def make_backend(name: str, device, dtype: torch.dtype = torch.bfloat16):
     """``auto``: FlashAttention's varlen kernel where it runs (CUDA, fp16/bf16), else SDPA."""
     if name == "auto":
-        name = "varlen" if dtype in (torch.float16, torch.bfloat16) and varlen_available(device) else "sdpa"
+        name = "varlen" if dtype in _HALF and varlen_available(device) else "sdpa"
     check_dtype(name, dtype)
     if name == "sdpa":
         return SdpaBackend()
