@@ -61,6 +61,12 @@ def _flat64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """RMS of ``got - want`` over the RMS of ``want``: how mels and other dense outputs of a
+    lower-precision path are compared with their reference."""
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+
 def wave_error(got, want) -> tuple[float, float]:
     """(SNR in dB of ``want`` against ``got - want``, max |got - want|); same shapes required."""
     g, w = _flat64(got), _flat64(want)

@@ -21,6 +21,7 @@ from cosybatch.config import DiTConfig, FlowConfig
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full
+from parity import rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -70,10 +71,6 @@ def _run_all(runner, rows, flow=None):
     return pairs
 
 
-def _rel_rms(a, b):
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
 def test_fp32_packed_matches_reference_on_gpu(setup):
     flow, rows = setup
     runner = FlowRunner(flow, attention="sdpa")
@@ -91,7 +88,7 @@ def test_bf16_packed_within_tolerance(setup, attention):
     worst_rel, worst_abs = 0.0, 0.0
     for job, out, want in _run_all(runner, rows, flow):
         assert out.shape == want.shape and out.dtype == torch.float32
-        worst_rel = max(worst_rel, _rel_rms(out, want))
+        worst_rel = max(worst_rel, rel_rms(out, want))
         worst_abs = max(worst_abs, (out - want).abs().max().item())
     print(f"bf16 {runner.backend.name}: worst rel RMS {worst_rel:.2e}, worst max abs {worst_abs:.2e}")
     assert worst_rel <= BF16_REL_RMS and worst_abs <= BF16_MAX_ABS, (worst_rel, worst_abs)
@@ -102,8 +99,8 @@ def test_bf16_varlen_equals_sdpa_and_reuse_equals_recompute(setup):
     a = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto"), rows)
     b = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="sdpa"), rows)
     c = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto", prefix_budget_bytes=0), rows)
-    kernels = max(_rel_rms(x[1], y[1]) for x, y in zip(a, b))
-    reuse = max(_rel_rms(x[1], y[1]) for x, y in zip(a, c))
+    kernels = max(rel_rms(x[1], y[1]) for x, y in zip(a, b))
+    reuse = max(rel_rms(x[1], y[1]) for x, y in zip(a, c))
     print(f"bf16 varlen vs sdpa rel RMS {kernels:.2e}; reuse vs recompute rel RMS {reuse:.2e}")
     assert kernels <= 5e-3 and reuse <= 5e-3
 
@@ -133,7 +130,7 @@ def test_bf16_graphed_within_bound_of_unpadded_eager(setup):
     flow, rows = setup
     a = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True), rows)
     b = _run_all(FlowRunner(flow, dtype=torch.bfloat16, attention="auto"), rows)
-    worst = max(_rel_rms(x[1], y[1]) for x, y in zip(a, b))
+    worst = max(rel_rms(x[1], y[1]) for x, y in zip(a, b))
     print(f"bf16 graphed (padded buckets) vs unpadded eager: worst rel RMS {worst:.2e}")
     assert worst <= 5e-3  # GEMMs over padded shapes round differently in bf16; padding itself is inert
 
@@ -144,7 +141,7 @@ def test_a_row_alone_equals_the_row_packed_with_others(setup):
     runner = FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True)
     (alone,) = runner.run([FlowJob("alone", tok, pr)])
     packed = runner.run([FlowJob(f"p{i}", t, p) for i, (_, p, t, _) in enumerate(rows)])
-    err = _rel_rms(packed[0], alone)
+    err = rel_rms(packed[0], alone)
     print(f"row alone vs packed with {len(rows) - 1} others: rel RMS {err:.2e}")
     assert err <= 5e-3
 
@@ -167,7 +164,7 @@ def test_capture_failure_and_eviction_keep_requests_correct(setup):
     for i, (name, pr, tok, _) in enumerate(rows[:3]):  # three full responses of different buckets
         (got,) = runner.run([FlowJob(f"g{i}", tok, pr)])
         (want,) = ref.run([FlowJob(f"r{i}", tok, pr)])
-        assert _rel_rms(got, want) <= 5e-3
+        assert rel_rms(got, want) <= 5e-3
     st = runner.graphs.stats
     assert st.failures == 1 and st.captures >= 2 and st.evictions >= 1, st.as_dict()
     torch.randn(4, device=DEVICE)  # the CUDA RNG still works after a failed capture
@@ -202,7 +199,7 @@ def test_triton_rotary_equals_the_eager_ops_and_keeps_the_flow(setup):
     for graphs in (False, True):
         base = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs)
         fused = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True, conv_form="channels_last")
-        worst = max(_rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
+        worst = max(rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
         print(f"bf16 flow, graphs={graphs}: Triton rotary vs eager rotary worst rel RMS {worst:.2e}")
         assert worst == 0.0, worst
 
@@ -249,6 +246,6 @@ def test_triton_position_convs_match_cudnn_and_keep_the_flow(setup):
     for graphs in (False, True):
         base = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True, conv_form="channels_last")
         fused = FlowRunner(flow, dtype=torch.bfloat16, graphs=graphs, triton_kernels=True)
-        worst = max(_rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
+        worst = max(rel_rms(x, y) for (_, x, _), (_, y, _) in zip(_run_all(fused, rows), _run_all(base, rows)))
         print(f"bf16 flow, graphs={graphs}: Triton convs vs cuDNN convs worst rel RMS {worst:.2e}")
         assert worst <= 5e-3, worst

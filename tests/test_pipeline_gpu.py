@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import ROWS, load_ref
-from parity import assert_wave_close, wave_error
+from parity import assert_wave_close, rel_rms, wave_error
 from test_serving import _rows, official
 
 pytestmark = pytest.mark.gpu
@@ -129,10 +129,6 @@ def test_bf16_row_alone_equals_the_row_packed_with_others(parts, fixtures_dir, m
         assert snr >= PACKED_MIN_SNR_DB, (mode, u, snr)
 
 
-def _rel_rms(a, b) -> float:
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
 @pytest.mark.parametrize("mode", ["full", "streaming"])
 def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_dir, mode):
     """Mels, not waveforms: the sine source's phase is a running sum of F0 over the utterance, so
@@ -165,7 +161,7 @@ def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_
             else:
                 want = [ref[f"nonstream.seg{s}.mel"]]
             assert [g.shape for g in got] == [w.shape for w in want], (row, s)
-            err = _rel_rms(torch.cat(got, 2), torch.cat(want, 2))
+            err = rel_rms(torch.cat(got, 2), torch.cat(want, 2))
             print(f"{mode} {row} seg{s}: bf16 flow mels vs official rel RMS {err:.2e}")
             worst = max(worst, err)
     assert worst <= BF16_MEL_REL_RMS, worst
