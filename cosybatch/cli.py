@@ -1,13 +1,13 @@
 """The ``cosybatch`` command: parse, build, run, report.
 
 Heavy imports (torch, the models) happen inside commands so ``--help`` and ``check`` stay fast.
-Exit codes (``cosybatch.exits``): 0 all rows fine, 1 some rows failed or were invalid or the
+Exit codes (``cosybatch.run.exits``): 0 all rows fine, 1 some rows failed or were invalid or the
 run stopped on an output fault (disk full), 2 usage or configuration error, 130 interrupted
 (SIGINT), 143 terminated (SIGTERM). Every way out closes the synthesizer first, so no thread
 of it is still running native code when the interpreter exits.
 
 ``synth`` has a hidden ``--synthesizer MODULE:FACTORY`` option: FACTORY is called exactly
-like ``cosybatch.pipeline.build_synthesizer(model, device, profile, overrides, stream=...)``;
+like ``cosybatch.synthesizers.build_synthesizer(model, device, profile, overrides, stream=...)``;
 ``profile`` likewise has ``--pipeline`` for ``build_streaming_pipeline(model, device, profile)``.
 Tests use them to run the whole commands around fakes.
 """
@@ -27,19 +27,19 @@ from typing import Any, Callable
 
 import click
 
-from . import __version__
-from .manifest import Manifest, ManifestError, read_manifest
-from .progress import setup_logging, warn_failed_rows
-from .exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
-from .runner import RunError, run_synth
-from .sharding import Shard, ShardError, parse_shard, select, shard_from_env
-from .synth_options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
-from .writer import WAV_SUBTYPES
+from cosybatch import __version__
+from cosybatch.manifest import Manifest, ManifestError, read_manifest
+from cosybatch.run.progress import setup_logging, warn_failed_rows
+from cosybatch.run.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
+from cosybatch.run.synth import RunError, run_synth
+from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env
+from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
+from cosybatch.output.audio_files import WAV_SUBTYPES
 
 log = logging.getLogger("cosybatch.cli")
 
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
-PIPELINE_FACTORY = "cosybatch.pipeline:build_streaming_pipeline"
+PIPELINE_FACTORY = "cosybatch.synthesizers:build_streaming_pipeline"
 
 
 def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -251,7 +251,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     """
     setup_logging(verbose, quiet)
     if ray_address is not None:
-        from .ray_cli import ray_missing
+        from cosybatch.run.ray.driver import ray_missing
 
         missing = ray_missing()
         if missing:
@@ -265,11 +265,11 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
                         prompt_cache=str(prompt_cache) if prompt_cache else None)
     if ray_address is not None or devices is not None or workers is not None:
         if ray_address is not None:
-            from .ray_cli import run_on_ray
+            from cosybatch.run.ray.driver import run_on_ray
 
             sys.exit(run_on_ray(man, out_dir, opts, address=ray_address or None, device=device, shard=shard,
                                 multi=devices is not None or workers is not None, quiet=quiet, verbose=verbose))
-        from .multi import run_workers
+        from cosybatch.run.multi.launcher import run_workers
 
         sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
                              quiet=quiet, verbose=verbose))
@@ -299,7 +299,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
 @_interruptible
 def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: str | None, verbose: bool) -> None:
     """Validate MANIFEST (and --model) and say what synth would do, without synthesizing."""
-    from .check import describe_model, describe_plan
+    from cosybatch.run.check import describe_model, describe_plan
 
     setup_logging(verbose, quiet=False)
     shard = _resolve_shard(shard_spec)
@@ -326,7 +326,7 @@ def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: s
 @_interruptible
 def merge(outs: tuple[Path, ...], into: Path | None, quiet: bool) -> None:
     """Combine the ledgers and timings of shard runs (in one or several OUT folders) into one summary."""
-    from .merge import MergeError, merge_outputs
+    from cosybatch.run.merge import MergeError, merge_outputs
 
     setup_logging(False, quiet)
     try:
@@ -334,7 +334,7 @@ def merge(outs: tuple[Path, ...], into: Path | None, quiet: bool) -> None:
     except MergeError as e:
         _fail(str(e))
     if not quiet:
-        from .progress import print_summary
+        from cosybatch.run.progress import print_summary
         print_summary(result.totals, title="cosybatch merge")
     click.echo(str(result.path))
     sys.exit(result.exit_code)
@@ -352,7 +352,7 @@ def make_checkpoint(out: Path, size: str, seed: int, chunk_size: int | None, for
     setup_logging(False, False)
     if (out / "llm.pt").exists() and not force:
         _fail(f"{out} already holds a checkpoint (llm.pt); pass --force to replace it")
-    from .checkpoint.generate import generate_checkpoint
+    from cosybatch.checkpoint.generate import generate_checkpoint
 
     path = generate_checkpoint(out, size=size, seed=seed, chunk_size=chunk_size)
     click.echo(str(path))
@@ -392,10 +392,10 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
 
-    from . import workload
-    from .bench import environment, result_table, run_closed_loop, select_rows, write_result
-    from .profiles import ProfileError, load_profile
-    from .requests import PipelineContractError, SynthRequest, force_tokens
+    from cosybatch.bench.closed_loop import workload
+    from cosybatch.bench.closed_loop import environment, result_table, run_closed_loop, select_rows, write_result
+    from cosybatch.profiles import ProfileError, load_profile
+    from cosybatch.scheduler.protocol import PipelineContractError, SynthRequest, force_tokens
 
     setup_logging(verbose, quiet=False)
     try:
@@ -446,7 +446,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
 @cli.command("profiles")
 def profiles_command() -> None:
     """List the profiles --profile NAME can reach (COSYBATCH_PROFILES first, then the shipped ones)."""
-    from .profiles import describe_profiles
+    from cosybatch.profiles import describe_profiles
 
     for name, desc, path in describe_profiles():
         click.echo(f"{name:40s} {desc}")

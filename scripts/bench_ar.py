@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosybatch.config import LLMConfig  # noqa: E402
+from cosybatch.models.config import LLMConfig  # noqa: E402
 from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from cosybatch.engine.random_model import random_lm  # noqa: E402
+from cosybatch.bench.random_lm import random_lm  # noqa: E402
 
 
 def make_requests(n: int, gen: int, seed: int, cfg: LLMConfig, text_len=60, speech_len=190) -> list[dict]:
@@ -102,7 +102,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not a.smoke
     cfg = LLMConfig()
     if not cuda:
-        from cosybatch.config import QwenConfig
+        from cosybatch.models.config import QwenConfig
 
         cfg = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, intermediate_size=128),

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosybatch.codec.flops import dit_token_flops, solve_flops  # noqa: E402
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
-from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
-from cosybatch.config import FlowConfig  # noqa: E402
+from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
+from cosybatch.models.config import FlowConfig  # noqa: E402
 from cosybatch.models.flow import CausalMaskedDiffWithDiT  # noqa: E402
 from cosybatch.prompt import PromptFeatures  # noqa: E402
 

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cosybatch.config import ModelConfig  # noqa: E402
-from cosybatch.frontend import Frontend  # noqa: E402
+from cosybatch.models.config import ModelConfig  # noqa: E402
+from cosybatch.frontend.frontend import Frontend  # noqa: E402
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
 from cosybatch.profiles.resolve import resolve_frontend  # noqa: E402
 from cosybatch.profiles.schema import FrontendProfile  # noqa: E402

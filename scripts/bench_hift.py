@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosybatch.codec.hift_runner import HiftJob, HiftRunner  # noqa: E402
-from cosybatch.config import HiFTConfig  # noqa: E402
+from cosybatch.models.config import HiFTConfig  # noqa: E402
 from cosybatch.models.hift import CausalHiFTGenerator  # noqa: E402
 from cosybatch.reference.token2wav import HiftStream  # noqa: E402
 

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosybatch.config import LLMConfig  # noqa: E402
+from cosybatch.models.config import LLMConfig  # noqa: E402
 from cosybatch.engine import EngineConfig, LLMEngine  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.engine.prefill_graphs import PrefillGraphs  # noqa: E402
-from cosybatch.engine.random_model import random_lm  # noqa: E402
+from cosybatch.bench.random_lm import random_lm  # noqa: E402
 
 SHIPPED = K.matmul_tiles
 # name -> (BM, BN, BK, warps, stages) for prefill matmuls, or a function of (n, k)

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosybatch.codec.flops import solve_flops  # noqa: E402
-from cosybatch.config import FlowConfig  # noqa: E402
+from cosybatch.models.config import FlowConfig  # noqa: E402
 
 TOKEN_RATE = 25.0  # speech tokens per second of audio (CosyVoice3)
 

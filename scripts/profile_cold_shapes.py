@@ -28,8 +28,8 @@ from bench_hift import make_model, set_tf32  # noqa: E402
 
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
 from cosybatch.codec.hift_runner import HiftJob, HiftRunner  # noqa: E402
-from cosybatch.config import ModelConfig  # noqa: E402
-from cosybatch.frontend import Frontend  # noqa: E402
+from cosybatch.models.config import ModelConfig  # noqa: E402
+from cosybatch.frontend.frontend import Frontend  # noqa: E402
 
 MEL_FRAMES_PER_S = 50
 

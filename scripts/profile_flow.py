@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_codec import build_flow, make_rows  # noqa: E402
 
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
-from cosybatch.codec.hops import HopSchedule, plan_segment  # noqa: E402
+from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
 
 
 # FlowRunner options per variant: eager ops and cuDNN convs; the Triton rotary with cuDNN's

@@ -22,11 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosybatch.checkpoint.synthetic_audio import speech_like  # noqa: E402
-from cosybatch.config import ModelConfig  # noqa: E402
-from cosybatch.cuda_graphs import capture_graph  # noqa: E402
-from cosybatch.frontend import Frontend  # noqa: E402
-from cosybatch.frontend_models.features import pad_frames, pad_rows, prompt_mel_batch, whisper_log_mel_batch  # noqa: E402
-from cosybatch.runtime import float32_math  # noqa: E402
+from cosybatch.models.config import ModelConfig  # noqa: E402
+from cosybatch.gpu.cuda_graphs import capture_graph  # noqa: E402
+from cosybatch.frontend.frontend import Frontend  # noqa: E402
+from cosybatch.frontend.batch_features import pad_frames, pad_rows, prompt_mel_batch, whisper_log_mel_batch  # noqa: E402
+from cosybatch.gpu.runtime import float32_math  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:

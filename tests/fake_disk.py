@@ -1,6 +1,6 @@
-"""A disk that fills up, for the writer: stands in for ``cosybatch.writer``'s ``os`` module.
+"""A disk that fills up, for the output files: stands in for the ``os`` module of ``cosybatch.atomic`` and ``cosybatch.output.ledger``.
 
-    monkeypatch.setattr(writer, "os", FullDisk("u2.wav", nth=1, partial=100))
+    install(monkeypatch, FullDisk("u2.wav", nth=1, partial=100))
 
 Writes to files whose name contains ``match`` (temp names too: ``.u2.wav.cbtmp``) succeed
 until the ``nth`` such write; that one writes ``partial`` bytes and returns, as the kernel
@@ -50,3 +50,12 @@ class FullDisk:
         """Space was freed: every write succeeds from now on."""
         self.full = False
         self.nth = float("inf")
+
+
+def install(monkeypatch, disk) -> None:
+    """Every module that writes OUT's files sees ``disk`` as its ``os``."""
+    from cosybatch import atomic
+    from cosybatch.output import ledger
+
+    for mod in (atomic, ledger):
+        monkeypatch.setattr(mod, "os", disk)

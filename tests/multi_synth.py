@@ -54,7 +54,7 @@ class _Dying:
 def real(model, device, profile, overrides, stream=None):
     import torch
 
-    from cosybatch.pipeline import build_synthesizer
+    from cosybatch.synthesizers import build_synthesizer
 
     inner = build_synthesizer(model, device, profile, overrides, stream=stream)
     if os.environ.get("MULTI_TEST_THREADS"):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cosybatch import workload
-from cosybatch.bench import run_closed_loop
+from cosybatch.bench.closed_loop import workload
+from cosybatch.bench.closed_loop import run_closed_loop
 from cosybatch.cli import profile_command
-from cosybatch.requests import Event, PipelineContractError, StreamingPipeline, SynthRequest
+from cosybatch.scheduler.protocol import Event, PipelineContractError, StreamingPipeline, SynthRequest
 
 SR = 8000
 STEP_S = 0.125  # exact in binary: timelines compare exactly
@@ -324,7 +324,7 @@ def test_gpu_memory_is_recorded():
 def test_the_table_shows_each_slice_kinds_gpu_share_beside_the_host_time_queueing_it():
     from rich.console import Console
 
-    from cosybatch.bench import result_table
+    from cosybatch.bench.closed_loop import result_table
 
     clock = FakeClock()
     res = run_closed_loop(FakePipeline(clock), reqs(2), concurrency=2, num_warmups=0, clock=clock)

@@ -21,7 +21,7 @@ from cosybatch.checkpoint import (
     resolve_model_dir,
     strict_load,
 )
-from cosybatch.config import DiTConfig, ModelConfig
+from cosybatch.models.config import DiTConfig, ModelConfig
 
 # Official Qwen2-0.5B numbers (CosyVoice-BlankEN/config.json of the real checkpoint).
 OFFICIAL_QWEN = {

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cosybatch import writer
 from cosybatch.cli import cli
-from fake_disk import FullDisk
+from fake_disk import FullDisk, install as install_disk
 from fake_synth import guard_signals, make_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +68,7 @@ def test_every_way_out_closes_the_synthesizer_once(tmp_path, signal_guard, case,
 def test_full_disk_is_one_line_exit_1_closed_and_resumable(tmp_path, monkeypatch):
     man = make_manifest(tmp_path, 4)
     out, closed, calls = tmp_path / "out", tmp_path / "closed.txt", tmp_path / "calls.txt"
-    monkeypatch.setattr(writer, "os", FullDisk("u2.wav", partial=100))
+    install_disk(monkeypatch, FullDisk("u2.wav", partial=100))
     res = _invoke("synth", man, "--out", out, *FAKE, "--set", f"closed={closed}")
     assert res.exit_code == 1
     errors = _error_lines(res.stderr)
@@ -77,14 +76,14 @@ def test_full_disk_is_one_line_exit_1_closed_and_resumable(tmp_path, monkeypatch
     assert f"cannot write {out / 'u2.wav'}: no space left on device; run stopped, 2 finished row(s) kept" in errors[0]
     assert "Traceback" not in res.stderr and "rows ok" in res.stderr  # the summary, no traceback
     assert closed.read_text() == "closed\n"
-    monkeypatch.setattr(writer, "os", os)
+    install_disk(monkeypatch, os)
     res = _invoke("synth", man, "--out", out, *FAKE, "--set", f"calls={calls}", "-q")
     assert res.exit_code == 0 and calls.read_text().split() == ["u2", "u3"]
 
 
 def test_full_disk_traceback_only_with_verbose(tmp_path, monkeypatch):
     man = make_manifest(tmp_path, 2)
-    monkeypatch.setattr(writer, "os", FullDisk("u1.wav"))
+    install_disk(monkeypatch, FullDisk("u1.wav"))
     res = _invoke("synth", man, "--out", tmp_path / "out", *FAKE, "-v")
     assert res.exit_code == 1 and "Traceback" in res.stderr and "OSError: [Errno 28]" in res.stderr
 

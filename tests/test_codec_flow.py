@@ -9,7 +9,7 @@ import torch
 from conftest import ROWS, load_ref
 from cosybatch.codec.attention import SdpaBackend, _VarlenBase
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner
-from cosybatch.codec.hops import Chunk, HopSchedule, plan_segment
+from cosybatch.hops import Chunk, HopSchedule, plan_segment
 from cosybatch.codec.packing import RowSpec, SubSeqs, pack, subsequences, varlen_offsets
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full
@@ -425,7 +425,7 @@ def test_triton_conv_form_only_where_its_tiles_fit():
     """The Triton position conv needs >= 16 (a power of two) channels per group: the full model
     has 64, the small generated checkpoints 2 and 8, which keep cuDNN's form on CUDA."""
     from cosybatch.codec.dit_step import ConvPositionEmbed
-    from cosybatch.config import DiTConfig
+    from cosybatch.models.config import DiTConfig
     from cosybatch.models.dit import DiT
 
     fits = {dim: ConvPositionEmbed.triton_fits(DiT(DiTConfig(dim=dim, depth=1, heads=2, dim_head=dim // 2)))

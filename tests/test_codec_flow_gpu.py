@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner
-from cosybatch.codec.hops import HopSchedule, plan_segment
-from cosybatch.config import DiTConfig, FlowConfig
+from cosybatch.hops import HopSchedule, plan_segment
+from cosybatch.models.config import DiTConfig, FlowConfig
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full

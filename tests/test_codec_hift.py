@@ -7,7 +7,7 @@ import torch
 
 from cosybatch.codec.hift_runner import HiftJob, HiftRunner, continue_phase, left_context
 from cosybatch.codec.istft import CachedISTFT
-from cosybatch.config import HiFTConfig
+from cosybatch.models.config import HiFTConfig
 from cosybatch.models.hift import CausalHiFTGenerator, Snake, fold_weight_norm, hann_window_periodic
 from cosybatch.reference.token2wav import HiftStream
 from conftest import ROWS, load_ref

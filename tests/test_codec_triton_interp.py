@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from cosybatch.codec import triton_kernels as K  # noqa: E402
 from cosybatch.codec.dit_step import ConvPositionEmbed, rotary_qk_, rotary_tables  # noqa: E402
-from cosybatch.config import DiTConfig  # noqa: E402
+from cosybatch.models.config import DiTConfig  # noqa: E402
 from cosybatch.models.dit import DiT  # noqa: E402
 
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosybatch import cuda_graphs
-
-
+from cosybatch.gpu import cuda_graphs
 class _Recorder:
     def __init__(self, fail_capture: bool = False):
         self.log: list[str] = []

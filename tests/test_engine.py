@@ -9,16 +9,17 @@ import torch
 
 from conftest import ROWS, load_ref
 from cosybatch.checkpoint import llm_state_dict, load_config, read_state_dict, strict_load
-from cosybatch.config import LLMConfig, QwenConfig, SamplingConfig
+from cosybatch.models.config import LLMConfig, QwenConfig, SamplingConfig
 from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams, TokenQueue
 from cosybatch.engine.kv_cache import BlockAllocator
-from cosybatch.engine.random_model import random_lm
+from cosybatch.bench.random_lm import random_lm
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.rng import split_seed, uniform
 from cosybatch.engine.sampler import SamplerState, padded_vocab
 from cosybatch.engine.scheduler import Scheduler
 from cosybatch.models.speech_lm import CosyVoice3LM
-from cosybatch.sampling import nucleus_count, silent_filter
+from cosybatch.models.silence import silent_filter
+from cosybatch.reference.samplers import nucleus_count
 
 OFFICIAL_RAS = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROWS, load_ref
-from cosybatch.config import LLMConfig
+from cosybatch.models.config import LLMConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines
 
 from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
-from cosybatch.engine.random_model import random_lm  # noqa: E402
+from cosybatch.bench.random_lm import random_lm  # noqa: E402
 from test_engine import _run_alone, _run_together  # noqa: E402
 
 DEV = torch.device("cuda")

@@ -17,10 +17,10 @@ if torch.cuda.is_available():
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
 pytest.importorskip("triton")
 
-from cosybatch.config import LLMConfig, QwenConfig  # noqa: E402
+from cosybatch.models.config import LLMConfig, QwenConfig  # noqa: E402
 from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
-from cosybatch.engine.random_model import random_lm  # noqa: E402
+from cosybatch.bench.random_lm import random_lm  # noqa: E402
 
 
 

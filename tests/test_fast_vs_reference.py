@@ -28,15 +28,15 @@ def chunk15(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("extra", [[], ["codec.budget_max_ms=40"]], ids=["fixed-budget", "growing-budget"])
 def test_fast_streaming_equals_reference_with_misaligned_chunks(chunk15, fixtures_dir, extra):
     """(The budget only reorders work: with it growing while few rows decode, the same audio.)"""
-    from cosybatch.pipeline import ReferenceSynthesizer
+    from cosybatch.synthesizers import ReferenceSynthesizer
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     ref = ReferenceSynthesizer(chunk15, torch.device("cpu"))
     assert ref.models.cfg.flow.dit.static_chunk_size == 30
     rows = [r for r in _rows(fixtures_dir) if r.utt_id in ("utt1", "utt4", "utt5_paragraph")]
     profile = load_profile("packed_streaming", FP32 + ["codec.max_num_seqs=3"] + extra)
-    pipe = FastPipeline.from_profile(ref.models, ref.frontend, profile, torch.device("cpu"))
+    pipe = fast_pipeline(ref.models, ref.frontend, profile, torch.device("cpu"))
     chunks, ends = _drain(pipe, [(r.utt_id, r, True) for r in rows])
     assert all(e.kind == "done" for e in ends.values())
     assert pipe.codec.flow.stats["cached_tokens"] > 0  # the prefix really was reused

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROWS, load_ref
-from cosybatch.config import DiTConfig, FlowConfig
+from cosybatch.models.config import DiTConfig, FlowConfig
 from cosybatch.models.dit import DiT, apply_rotary, attention_mask
 from cosybatch.models.flow import CausalMaskedDiffWithDiT, PreLookaheadLayer, cfm_noise_table
 

@@ -24,7 +24,7 @@ def _timing(path: Path) -> None:
 
 
 def test_required_flow_rate_from_a_synth_timing(tmp_path):
-    from cosybatch.config import FlowConfig
+    from cosybatch.models.config import FlowConfig
 
     from cosybatch.codec.flops import dit_token_flops
 

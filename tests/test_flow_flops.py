@@ -3,7 +3,7 @@
 import torch
 
 from cosybatch.codec.flops import dit_token_flops, solve_flops
-from cosybatch.config import DiTConfig, FlowConfig
+from cosybatch.models.config import DiTConfig, FlowConfig
 from cosybatch.models.dit import DiT
 
 

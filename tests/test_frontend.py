@@ -1,4 +1,4 @@
-"""cosybatch.frontend.Frontend against the official frontend_zero_shot outputs in the fixtures."""
+"""cosybatch.frontend.frontend.Frontend against the official frontend_zero_shot outputs in the fixtures."""
 
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ import torch
 from conftest import ROWS, load_ref
 from parity import PROMPT_MEL_TOL, assert_log_spectrum_close
 from cosybatch.audio import AudioError, load_audio, resample, to_mono
-from cosybatch.config import MelConfig, ModelConfig
-from cosybatch.frontend import Frontend, PromptFeatures
+from cosybatch.models.config import MelConfig, ModelConfig
+from cosybatch.frontend.frontend import Frontend, PromptFeatures
 
 PROMPT_OF = {"utt1": "p1_16k", "utt2": "p2_24k", "utt3": "p3_16k", "utt4": "p4_24k", "utt5_paragraph": "p5_16k"}
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from cosybatch.audio import kaldi_fbank, prompt_mel, resample, whisper_log_mel
-from cosybatch.config import ModelConfig
-from cosybatch.frontend import Frontend
+from cosybatch.models.config import ModelConfig
+from cosybatch.frontend.frontend import Frontend
 from cosybatch.checkpoint.synthetic_audio import prompt_lengths, speech_like
 
 pytestmark = pytest.mark.gpu

@@ -20,9 +20,9 @@ import torch
 
 from cosybatch.checkpoint.onnx_standins import TOKENIZER_SIZES, write_onnx_standins
 from cosybatch.checkpoint.onnx_weights import FrontendModelError, OnnxGraph, load_campplus, load_s3tokenizer
-from cosybatch.config import ModelConfig
-from cosybatch.frontend import Frontend
-from cosybatch.frontend_models.features import kaldi_fbank_batch, pad_rows, whisper_log_mel_batch
+from cosybatch.models.config import ModelConfig
+from cosybatch.frontend.frontend import Frontend
+from cosybatch.frontend.batch_features import kaldi_fbank_batch, pad_rows, whisper_log_mel_batch
 from cosybatch.checkpoint.synthetic_audio import speech_like
 
 SECONDS = (3.3, 4.7, 2.2, 6.1, 3.0)
@@ -224,7 +224,7 @@ def test_the_graphed_path_equals_the_exact_path(standins):
     captures, whether or not a row is padded) and come back packed in one tensor: the same
     tokens, embeddings and mels as the exact path, prompt by prompt. On the CPU the cache runs
     that function eagerly; GPU tests replay it from graphs. A chunk of 3 is padded to 4 rows."""
-    from cosybatch.graph_cache import GraphCache
+    from cosybatch.gpu.graph_cache import GraphCache
 
     fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0)
     loaded = [fe.load_waveform(_wav16(s, 110 + i), 16000, f"w{i}") for i, s in enumerate(SECONDS)]
@@ -262,10 +262,10 @@ def test_loader_refuses_contract_only_files(model_dir, caplog):
         load_s3tokenizer(model_dir / "speech_tokenizer_v3.onnx")
     with pytest.raises(FrontendModelError, match="not the CAM\\+\\+ structure"):
         load_campplus(model_dir / "campplus.onnx")
-    with caplog.at_level(logging.INFO, logger="cosybatch.frontend"):
+    with caplog.at_level(logging.INFO, logger="cosybatch.frontend.frontend"):
         fe = Frontend(model_dir, ModelConfig(), device="cuda")  # loader runs before CUDA is needed
     assert fe.backend == "onnxruntime" and "/conv1/Conv" in fe.backend_reason
-    lines = [r for r in caplog.records if r.name == "cosybatch.frontend"]
+    lines = [r for r in caplog.records if r.name == "cosybatch.frontend.frontend"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "onnxruntime" in lines[0].getMessage()
     with pytest.raises(FrontendModelError):
         Frontend(model_dir, ModelConfig(), backend="torch", device="cpu")
@@ -365,7 +365,7 @@ def test_rejects_bad_prompts_in_load(standins, tmp_path):
 def test_prompt_cache_close_stops_its_writer_and_later_entries_still_land(tmp_path):
     import torch
 
-    from cosybatch.frontend_models.cache import PromptCache
+    from cosybatch.frontend.cache import PromptCache
     from cosybatch.prompt import PromptFeatures
 
     cache = PromptCache(disk_dir=tmp_path, namespace="t")

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from cosybatch.graph_cache import CudaGraphBackend, GraphCache, precision_flags
+from cosybatch.gpu.graph_cache import CudaGraphBackend, GraphCache, precision_flags
 
 
 class FakeCaptured:
@@ -138,7 +138,7 @@ def test_counters_are_bounded_lru():
 def test_capture_failure_falls_back_to_eager_and_disables_key(caplog):
     be = FakeBackend(fail_if=lambda inputs: inputs[0].shape[0] == 3)
     cache = GraphCache(double, capture_after=1, backend=be, name="t")
-    with caplog.at_level(logging.WARNING, logger="cosybatch.graph_cache"):
+    with caplog.at_level(logging.WARNING, logger="cosybatch.gpu.graph_cache"):
         out = cache(x_of(3, 4))
     assert torch.equal(out, x_of(3, 8))  # the request succeeds
     assert "capture failed" in caplog.text and "injected capture failure" in caplog.text
@@ -226,7 +226,7 @@ def test_cuda_captures_after_every_graph_of_the_pool_was_evicted(caplog):
     dev = _cuda()
     fn = _net(dev)
     cache = GraphCache(fn, capacity=1, capture_after=1, backend=CudaGraphBackend())
-    with caplog.at_level(logging.WARNING, logger="cosybatch.graph_cache"):
+    with caplog.at_level(logging.WARNING, logger="cosybatch.gpu.graph_cache"):
         for n in (50, 60, 70, 50):
             x = torch.randn(1, 8, n, device=dev)
             torch.cuda.synchronize()
@@ -250,7 +250,7 @@ def test_cuda_capture_failure_is_survived(caplog):
     cache = GraphCache(syncs_in_capture, capture_after=1, backend=CudaGraphBackend())
     x = torch.randn(1, 8, 33, device=dev)
     stream, rng = torch.cuda.current_stream(), torch.cuda.get_rng_state()
-    with caplog.at_level(logging.WARNING, logger="cosybatch.graph_cache"):
+    with caplog.at_level(logging.WARNING, logger="cosybatch.gpu.graph_cache"):
         out = cache(x)
     torch.testing.assert_close(out, base(x), rtol=0, atol=1e-6)
     assert cache.stats.failures == 1 and "capture failed" in caplog.text

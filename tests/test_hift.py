@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from cosybatch.config import HiFTConfig, ModelConfig
+from cosybatch.models.config import HiFTConfig, ModelConfig
 from cosybatch.models.hift import CausalHiFTGenerator, fold_weight_norm
 from cosybatch.models.noise import sine_noise
 from conftest import ROWS, load_ref

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from cosybatch.codec.hops import HopSchedule, SegmentPlanner, plan_segment
+from cosybatch.hops import HopSchedule, SegmentPlanner, plan_segment
 from conftest import ROWS
 
 

@@ -1,6 +1,9 @@
-"""Imports point one way (docs/design.md, "Layers"): a module imports only from its own layer or
-lower ones, and the three stages of layer 2 (frontend, engine, codec) never import each other.
-Every import counts, the ones inside functions and under TYPE_CHECKING included."""
+"""Imports point one way, in the order data flows (docs/design.md, "Layout"): a module imports only
+from its own rank or lower ones, and the three stages of rank 2 (frontend, engine, codec) never import
+each other. Every import counts, the ones inside functions and under TYPE_CHECKING included.
+
+A folder's modules take the folder's rank; a module loose at the package's top level must be listed
+by name, so a new one fails here until it is given a rank."""
 
 import ast
 from pathlib import Path
@@ -9,34 +12,35 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "cosybatch"
 
-# (layer, group) by module prefix; the longest matching prefix wins.
+# (rank, group): top-level modules by name, folders (trailing ".") for every module inside them.
 LAYERS = {
-    # 0: leaf types and helpers every layer may use
-    "cosybatch": (0, None), "cosybatch.config": (0, None), "cosybatch.prompt": (0, None),
-    "cosybatch.exits": (0, None), "cosybatch.hostcopy": (0, None), "cosybatch.cuda_graphs": (0, None),
-    "cosybatch.graph_cache": (0, None),
-    "cosybatch.runtime": (0, None), "cosybatch.requests": (0, None), "cosybatch.metrics": (0, None),
-    "cosybatch.sampling": (0, None), "cosybatch.devices": (0, None), "cosybatch.startup": (0, None),
-    # 1: plain models, audio/text processing, checkpoints, manifests and output files
-    "cosybatch.models": (1, None), "cosybatch.audio": (1, None), "cosybatch.text": (1, None),
-    "cosybatch.checkpoint": (1, None), "cosybatch.manifest": (1, None), "cosybatch.writer": (1, None),
-    # 2: the three stages, independent of each other
-    "cosybatch.frontend": (2, "frontend"), "cosybatch.frontend_models": (2, "frontend"),
-    "cosybatch.engine": (2, "engine"), "cosybatch.codec": (2, "codec"),
-    # 3: the exact oracle, and profiles resolved into the stages' typed configs
-    "cosybatch.reference": (3, None), "cosybatch.profiles": (3, None),
-    # 4: the pipelines that wire the stages together
-    "cosybatch.timeline": (4, None), "cosybatch.serving": (4, None), "cosybatch.pipeline": (4, None),
-    # 5: running jobs: rows, resume, shards, workers, benchmarks, the command line
-    **{f"cosybatch.{m}": (5, None) for m in ("runner", "resume", "sharding", "merge", "check", "progress", "bench",
-                                            "workload", "multi", "worker", "ray", "ray_cli", "ray_stage", "row_records",
-                                            "interrupts", "disk_estimate",
-                                            "synth_options", "cli", "__main__")},
+    # 0: neutral leaves every stage may use: the prompt type, the hop schedule, atomic files, GPU helpers
+    "cosybatch": (0, None), "cosybatch.prompt": (0, None), "cosybatch.hops": (0, None),
+    "cosybatch.atomic": (0, None), "cosybatch.gpu.": (0, None),
+    # 1: plain models, audio and text processing, checkpoints, the manifest
+    "cosybatch.models.": (1, None), "cosybatch.audio.": (1, None), "cosybatch.text.": (1, None),
+    "cosybatch.checkpoint.": (1, None), "cosybatch.manifest": (1, None),
+    # 2: the three stages a row flows through, independent of each other
+    "cosybatch.frontend.": (2, "frontend"), "cosybatch.engine.": (2, "engine"), "cosybatch.codec.": (2, "codec"),
+    # 3: what a row becomes on disk, and the exact oracle every fast path is tested against
+    "cosybatch.output.": (3, None), "cosybatch.reference.": (3, None),
+    # 4: the GPU timeline that drives the three stages
+    "cosybatch.scheduler.": (4, None),
+    # 5: profiles, resolved into the scheduler's typed settings
+    "cosybatch.profiles.": (5, None),
+    # 6: synthesizers built from a profile, and the benchmark around them
+    "cosybatch.synthesizers": (6, None), "cosybatch.bench.": (6, None),
+    # 7: running a job: rows, resume, shards, signals, workers, Ray
+    "cosybatch.run.": (7, None),
+    # 8: the command line
+    "cosybatch.cli": (8, None), "cosybatch.__main__": (8, None),
 }
 
 
 def _layer(module: str):
-    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
+    # a module by name, else its innermost listed folder (a folder's own __init__ included)
+    best = module if module in LAYERS else max((p for p in LAYERS if p.endswith(".") and (module + ".").startswith(p)),
+                                               key=len, default=None)
     if best is None:
         raise AssertionError(f"{module}: not in the layer table of tests/test_layers.py; add it")
     return LAYERS[best]
@@ -49,6 +53,11 @@ def _modules():
         yield name, f
 
 
+def _is_module(dotted: str) -> bool:
+    p = ROOT.parent / dotted.replace(".", "/")
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
 def _imports(name: str, path: Path):
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -58,9 +67,8 @@ def _imports(name: str, path: Path):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            targets = [target]
-            if node.module is None or target in LAYERS:  # `from cosybatch import x`: x may be a module
-                targets = [f"{target}.{a.name}" for a in node.names]
+            # `from cosybatch.x import y`: y may be a module of its own
+            targets = [f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names]
             yield from ((t, node.lineno) for t in targets)
         elif isinstance(node, ast.Import):
             yield from ((a.name, node.lineno) for a in node.names)

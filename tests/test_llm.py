@@ -4,11 +4,11 @@ import torch.nn.functional as F
 
 from conftest import ROWS, load_ref
 from cosybatch.checkpoint import llm_state_dict, load_models, read_state_dict
-from cosybatch.config import QwenConfig, SamplingConfig
+from cosybatch.models.config import QwenConfig, SamplingConfig
 from cosybatch.models.qwen2 import Qwen2Model, apply_rope
 from cosybatch.models.speech_lm import CosyVoice3LM
 from cosybatch.reference.llm import generate_tokens, length_limits, mask_early_stop
-from cosybatch.sampling import silent_filter
+from cosybatch.models.silence import silent_filter
 
 # ---------------------------------------------------------------- loading
 

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from cosybatch.metrics import (Timeline, aggregate, audio_duration, distribution, e2e_latency, request_metrics,
+from cosybatch.bench.metrics import (Timeline, aggregate, audio_duration, distribution, e2e_latency, request_metrics,
                                rtf, time_to_first_pcm, underrun)
 
 SR = 1000  # 1 sample = 1 ms, so chunk sizes read as durations

@@ -21,9 +21,9 @@ import pytest
 import soundfile as sf
 
 from cosybatch.manifest import read_manifest
-from cosybatch.multi import DevicesError, plan_slots, run_workers
-from cosybatch.sharding import Shard, balance, estimated_cost, select
-from cosybatch.synth_options import SynthOptions
+from cosybatch.run.multi.launcher import DevicesError, plan_slots, run_workers
+from cosybatch.run.sharding import Shard, balance, estimated_cost, select
+from cosybatch.run.options import SynthOptions
 from fake_synth import expected_audio, make_manifest
 from out_dirs import invoke, ok_counts, records
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from cosybatch.config import FlowConfig, HiFTConfig, ModelConfig
+from cosybatch.models.config import FlowConfig, HiFTConfig, ModelConfig
 from cosybatch.models import noise
 
 

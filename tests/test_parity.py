@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import load_ref
 from cosybatch.audio import kaldi_fbank, load_audio, prompt_mel, resample, slaney_mel_filterbank, to_mono, whisper_log_mel
-from cosybatch.config import MelConfig
+from cosybatch.models.config import MelConfig
 from parity import (
     KALDI_FBANK_TOL,
     PROMPT_MEL_TOL,

@@ -47,7 +47,7 @@ BF16_MEL_REL_RMS = 3e-2
 @pytest.fixture(scope="module")
 def parts(model_dir):
     from cosybatch.checkpoint import load_models
-    from cosybatch.frontend import Frontend
+    from cosybatch.frontend.frontend import Frontend
 
     models = load_models(model_dir, device=str(DEV))
     return models, Frontend(model_dir, models.cfg)
@@ -56,8 +56,8 @@ def parts(model_dir):
 def _pipeline(parts, overrides):
     from cosybatch.profiles import load_profile
     from cosybatch.profiles.resolve import resolve
-    from cosybatch.runtime import apply_process_settings
-    from cosybatch.serving import FastPipeline
+    from cosybatch.gpu.runtime import apply_process_settings
+    from cosybatch.scheduler.pipeline import FastPipeline
 
     models, frontend = parts
     settings = resolve(load_profile("default", overrides), models.cfg, DEV)
@@ -67,7 +67,7 @@ def _pipeline(parts, overrides):
 
 def _run(pipe, rows, stream, concurrency):
     """(chunks per utt, final tokens per (utt, segment)) with at most ``concurrency`` rows in flight."""
-    from cosybatch.requests import SynthRequest, drive
+    from cosybatch.scheduler.protocol import SynthRequest, drive
 
     tokens = {}
     hop = pipe._hop

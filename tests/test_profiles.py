@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cosybatch.config import SamplingConfig
+from cosybatch.models.config import SamplingConfig
 from cosybatch.profiles import (HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile, available_profiles,
                                 load_profile, parse_override)
 from cosybatch.profiles.resolve import resolve_hops, resolve_sampling
@@ -339,7 +339,7 @@ def test_hift_tf32_is_explicit():
 def test_slice_settings_reach_the_timeline_limits():
     import torch
 
-    from cosybatch.config import ModelConfig
+    from cosybatch.models.config import ModelConfig
     from cosybatch.profiles.resolve import resolve
 
     p = load_profile("packed_streaming", ["codec.first_wait_ms=120", "codec.max_wait_ms=400",
@@ -357,7 +357,7 @@ def test_triton_kernels_only_where_cuda_and_triton_are(monkeypatch):
     importable; on CPUs, without Triton or when switched off, the eager ops run."""
     import torch
 
-    from cosybatch.config import ModelConfig
+    from cosybatch.models.config import ModelConfig
     from cosybatch.profiles import resolve as r
 
     cfg, cuda, cpu = ModelConfig(), torch.device("cuda"), torch.device("cpu")
@@ -376,7 +376,7 @@ def test_frontend_device_and_precision():
     shipped fast profiles run the tokenizer's GEMMs as 3xTF32, the schema default is strict."""
     import torch
 
-    from cosybatch.config import ModelConfig
+    from cosybatch.models.config import ModelConfig
     from cosybatch.profiles.resolve import resolve
 
     cfg, cpu = ModelConfig(), torch.device("cpu")

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cosybatch.requests import SynthRequest
-from cosybatch.timeline.accounting import Accounting
-from cosybatch.timeline.prompt_work import PromptWork
+from cosybatch.scheduler.protocol import SynthRequest
+from cosybatch.scheduler.accounting import Accounting
+from cosybatch.scheduler.prompt_work import PromptWork
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""synth --ray and cosybatch.ray.synthesize on a local two-CPU Ray cluster.
+"""synth --ray and cosybatch.run.ray.api.synthesize on a local two-CPU Ray cluster.
 
 Skipped when Ray is not installed, except in CI (COSYBATCH_REQUIRE_FIXTURES), which installs
 the `ray` extra through `.[test]` and must not pass by skipping. The cluster is started once
@@ -112,8 +112,7 @@ def test_ray_on_the_tiny_checkpoint_writes_what_one_process_writes(local_ray, tm
 
 
 def test_ray_run_interrupted_then_resumed_redoes_only_what_was_left(local_ray, tmp_path, monkeypatch, request):
-    from cosybatch import ray_cli
-
+    from cosybatch.run.ray import driver as ray_cli
     man = make_manifest(tmp_path, 10)
     out, calls = tmp_path / "out", tmp_path / "calls.txt"
     seen = []
@@ -192,7 +191,7 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_and_keeps_what_it_wrote(loc
 
 
 def test_synthesize_api_returns_one_result_row_per_input_row(local_ray, tmp_path):
-    import cosybatch.ray as cray
+    import cosybatch.run.ray.api as cray
 
     make_manifest(tmp_path, 3)
     rows = [{"utt_id": f"u{i}", "prompt_text": "Prompt words.", "prompt_wav": f"prompts/{'ab'[i % 2]}.wav",
@@ -233,8 +232,8 @@ def test_without_ray_the_option_says_how_to_install_it(tmp_path):
 
 
 def test_importing_cosybatch_never_imports_ray():
-    code = ("import sys, cosybatch, cosybatch.cli, cosybatch.multi, cosybatch.worker, cosybatch.ray_cli, "
-            "cosybatch.ray_stage; print('ray' in sys.modules)")
+    code = ("import sys, cosybatch, cosybatch.cli, cosybatch.run.multi.launcher, cosybatch.run.multi.worker, cosybatch.run.ray.driver, "
+            "cosybatch.run.ray.stage; print('ray' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
 
@@ -243,8 +242,8 @@ def test_an_actor_commits_nothing_after_the_stop_file(tmp_path):
     """The actor's side of an interrupt, without Ray: once the driver's stop file exists, a row
     that finishes is left to the resume (no WAV, no ledger line), and other rows were kept."""
     pa = pytest.importorskip("pyarrow")
-    from cosybatch.ray_stage import STOP_FILE, SynthStage
-    from cosybatch.synth_options import SynthOptions
+    from cosybatch.run.ray.stage import STOP_FILE, SynthStage
+    from cosybatch.run.options import SynthOptions
 
     man = make_manifest(tmp_path, 2)
     rows = [line.split("|") for line in Path(man).read_text().splitlines()]

@@ -54,7 +54,7 @@ FIXTURE_FRONTEND_MIN_SNR_DB = 45.0
 
 @pytest.fixture(scope="module")
 def synth(model_dir):
-    from cosybatch.pipeline import ReferenceSynthesizer
+    from cosybatch.synthesizers import ReferenceSynthesizer
 
     return ReferenceSynthesizer(model_dir, torch.device("cpu"))  # profile: reference
 

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosybatch import disk_estimate
-from cosybatch import runner as runner_mod
-from cosybatch import writer
+from cosybatch.output.timing import TimingWriter
+from cosybatch.run import disk_estimate
+from cosybatch.run import synth as runner_mod
 from cosybatch.manifest import ManifestRow, read_manifest
-from cosybatch.merge import merge_outputs
-from cosybatch.disk_estimate import estimated_audio_s, estimated_output_bytes
-from cosybatch.runner import RunError, SettingsChanged, run_synth
-from cosybatch.sharding import Shard, ShardError, assign, estimated_cost, parse_shard, select, shard_from_env
-from fake_disk import FullDisk
+from cosybatch.run.merge import merge_outputs
+from cosybatch.run.disk_estimate import estimated_audio_s, estimated_output_bytes
+from cosybatch.run.synth import RunError, SettingsChanged, run_synth
+from cosybatch.run.sharding import Shard, ShardError, assign, estimated_cost, parse_shard, select, shard_from_env
+from fake_disk import FullDisk, install as install_disk
 from fake_synth import FakeSynth, expected_audio, guard_signals, make_manifest
 
 
@@ -164,8 +164,8 @@ def test_full_disk_stops_with_one_line_and_a_consistent_out(tmp_path, monkeypatc
     out = tmp_path / "out"
     name, nth, partial = DISK_FULL_AT[where]
     disk = FullDisk(name, nth=nth, partial=partial)
-    monkeypatch.setattr(writer, "os", disk)
-    monkeypatch.setattr(writer.TimingWriter, "due", lambda self: True)  # a rewrite after every row
+    install_disk(monkeypatch, disk)
+    monkeypatch.setattr(TimingWriter, "due", lambda self: True)  # a rewrite after every row
     if not stays_full:  # space comes back right after the failed write (another job cleaned up)
         real_write = disk.write
 
@@ -183,7 +183,7 @@ def test_full_disk_stops_with_one_line_and_a_consistent_out(tmp_path, monkeypatc
     assert errors[0] == (f"cannot write {out / name}: no space left on device; run stopped, "
                          "2 finished row(s) kept: free space and re-run the same command to resume")
     assert not any(r.exc_info for r in logs.records if r.levelno > logging.DEBUG)  # tracebacks only with -v
-    monkeypatch.setattr(writer, "os", os)
+    install_disk(monkeypatch, os)
     assert _assert_out_consistent(out, man) == ["u0", "u1"]
     end = _ledger(out)[-1]
     if stays_full:
@@ -201,7 +201,7 @@ def test_full_disk_stops_with_one_line_and_a_consistent_out(tmp_path, monkeypatc
 def test_disk_full_before_the_first_row(tmp_path, monkeypatch, logs):
     man = make_manifest(tmp_path, 3)
     out = tmp_path / "out"
-    monkeypatch.setattr(writer, "os", FullDisk("ledger.jsonl"))
+    install_disk(monkeypatch, FullDisk("ledger.jsonl"))
     synth = FakeSynth()
     rep = _run(man, synth, out)
     assert rep.exit_code == 1 and synth.calls == []
@@ -497,7 +497,7 @@ def test_start_up_is_reported_beside_the_window_not_inside_it(tmp_path):
     summary table, apart from wall_s, which times the rows alone."""
     from rich.console import Console
 
-    from cosybatch.progress import summary_table
+    from cosybatch.run.progress import summary_table
 
     man = make_manifest(tmp_path, 2)
     synth = FakeSynth()
@@ -515,7 +515,7 @@ def test_start_up_is_reported_beside_the_window_not_inside_it(tmp_path):
 def test_startup_clock_times_phases_and_the_process_before_them():
     import torch
 
-    from cosybatch.startup import StartupClock, process_age_s
+    from cosybatch.scheduler.startup import StartupClock, process_age_s
 
     age = process_age_s()
     assert age is None or 0 < age < 24 * 3600

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import ROWS, load_ref
-from cosybatch.config import SamplingConfig
-from cosybatch.sampling import (
+from cosybatch.models.config import SamplingConfig
+from cosybatch.reference.samplers import (
     SILENT_TOKENS,
     SilentFilter,
     nucleus_count,

@@ -15,7 +15,7 @@ FP32 = ["ar.dtype=float32", "codec.flow_dtype=float32", "ar.cuda_graphs=false"]
 @pytest.fixture(scope="module")
 def parts(model_dir):
     from cosybatch.checkpoint import load_models
-    from cosybatch.frontend import Frontend
+    from cosybatch.frontend.frontend import Frontend
 
     models = load_models(model_dir)
     return models, Frontend(model_dir, models.cfg)
@@ -53,7 +53,7 @@ class _Together:
 def _drain(pipe, requests, force_tokens=None, together=False):
     """Run (request id, row, stream) requests to the end through the shared driver loop:
     (chunks per id, the final Event per id)."""
-    from cosybatch.requests import Event, SynthRequest, drive
+    from cosybatch.scheduler.protocol import Event, SynthRequest, drive
 
     reqs = [SynthRequest(rid, row, stream, force_tokens) for rid, row, stream in requests]
     chunks, ends = {}, {}
@@ -84,12 +84,12 @@ def official(reference_dir, stream: bool) -> tuple[dict, dict]:
 @pytest.mark.parametrize("mode", ["full", "streaming"])
 def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode):
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     extra = ["optimizations.prefix_reuse=true"] if mode == "streaming" else []
     profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2"] + extra)
-    pipe = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     rows = _rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = _drain(pipe, [(r.utt_id, r, stream) for r in rows])
@@ -105,14 +105,14 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
 def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
     from cosybatch.manifest import ManifestRow
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     bad_wav = tmp_path / "bad.wav"
     bad_wav.write_bytes(b"not a wav")
     good = _rows(fixtures_dir)[2]
     bad = ManifestRow("bad", good.prompt_text, bad_wav, good.target_text)
-    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
     chunks, ends = _drain(pipe, [("bad", bad, False), ("good", good, False)])
     assert ends["bad"].kind == "error" and "bad.wav" in ends["bad"].error
     assert ends["good"].kind == "done" and len(chunks["good"]) == 1
@@ -122,18 +122,18 @@ def test_warm_prompts_leave_the_run_only_cache_hits(model_dir, fixtures_dir):
     """``profile --warm-prompts``: every prompt's features are computed before the run, so
     the rows then read them from the cache and give the same audio."""
     from cosybatch.checkpoint import load_models
-    from cosybatch.frontend import Frontend
+    from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models = load_models(model_dir)
     rows = _rows(fixtures_dir)[:3]
     reqs = [(r.utt_id, r, False) for r in rows]
     profile = load_profile("default", FP32)
-    cold, _ = _drain(FastPipeline.from_profile(models, Frontend(model_dir, models.cfg), profile, torch.device("cpu")),
+    cold, _ = _drain(fast_pipeline(models, Frontend(model_dir, models.cfg), profile, torch.device("cpu")),
                      reqs, force_tokens=20)
     frontend = Frontend(model_dir, models.cfg)
-    pipe = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     assert pipe.warm_prompts([r.prompt_wav for r in rows] * 2) == 3
     misses = frontend._cache.stats["misses"]
     warm, ends = _drain(pipe, reqs, force_tokens=20)
@@ -143,7 +143,7 @@ def test_warm_prompts_leave_the_run_only_cache_hits(model_dir, fixtures_dir):
 
 
 def test_auto_dtype_is_bfloat16_on_cuda_float32_on_cpu():
-    from cosybatch.config import resolve_dtype
+    from cosybatch.models.config import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
@@ -156,14 +156,14 @@ def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(par
     once it is ready (polled, never waited for while other work can go on); the rows' audio is
     what the worker path gives."""
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     rows = _rows(fixtures_dir)[:3]
     reqs = [(r.utt_id, r, False) for r in rows]
     profile = load_profile("default", FP32)
-    a, _ = _drain(FastPipeline.from_profile(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
-    batched = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
+    a, _ = _drain(fast_pipeline(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
+    batched = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     batched.prompts.on_device = True  # what a torch frontend on CUDA selects
     calls, polls = [], []
     real = frontend.launch_features
@@ -194,12 +194,12 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     """A batch whose launch fails (out of memory for the batch) is redone one prompt at a time:
     only the prompt that fails alone fails its row, the others finish."""
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     rows = _rows(fixtures_dir)[:3]
     bad = rows[1].prompt_wav
-    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
     pipe.prompts.on_device = True
     real_launch = frontend.launch_features
 
@@ -223,13 +223,13 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
 def test_the_hift_frame_bucket_pads_on_cuda_only(parts):
     from cosybatch.profiles import load_profile
     from cosybatch.profiles.resolve import resolve
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     for kv, bucket in (([], 128), (["optimizations.hift_frame_bucket=64"], 64)):
         profile = load_profile("default", FP32 + kv)
         assert resolve(profile, models.cfg, torch.device("cuda")).codec.hift_frame_bucket == bucket
-        pipe = FastPipeline.from_profile(models, frontend, profile, torch.device("cpu"))
+        pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
         try:
             assert pipe.codec.hift.frame_bucket == 1  # exact windows on a CPU: padding only costs there
         finally:
@@ -240,10 +240,10 @@ def test_timeline_counts_graph_captures_inside_the_window(parts):
     """``timeline(reset=True)`` starts the measured window; each graph cache then reports how
     many captures fell inside it (what start-up and the warm-ups did not capture)."""
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
-    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
     captures = {"n": 5}
     pipe._graph_stats = lambda: {"flow": {"captures": captures["n"], "hit_rate": 1.0}, "hift": None,
                                  "prefill": {"buckets": 3}}
@@ -264,7 +264,7 @@ def test_slices_that_capture_a_graph_are_counted_apart_and_teach_the_cost_model_
     from types import SimpleNamespace
 
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     class Capturing:  # the real runner (or solve), seen through a graph cache that "captures" once
         def __init__(self, inner, graphs=None):
@@ -289,7 +289,7 @@ def test_slices_that_capture_a_graph_are_counted_apart_and_teach_the_cost_model_
             return getattr(self.inner, name)
 
     models, frontend = parts
-    pipe = FastPipeline.from_profile(models, frontend, load_profile("default", FP32), torch.device("cpu"))
+    pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
     learned = {"hift": [], "flow": []}
     costs = pipe.codec.costs
     hift_obs, flow_obs = costs.observe_hift, costs.observe_flow_step

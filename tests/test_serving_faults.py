@@ -11,7 +11,7 @@ from test_serving import FP32, _drain, _rows
 @pytest.fixture(scope="module")
 def parts(model_dir):
     from cosybatch.checkpoint import load_models
-    from cosybatch.frontend import Frontend
+    from cosybatch.frontend.frontend import Frontend
 
     models = load_models(model_dir)
     return models, Frontend(model_dir, models.cfg)
@@ -19,10 +19,10 @@ def parts(model_dir):
 
 def _pipe(parts, *extra):
     from cosybatch.profiles import load_profile
-    from cosybatch.serving import FastPipeline
+    from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
-    return FastPipeline.from_profile(models, frontend, load_profile("default", FP32 + ["codec.max_num_seqs=4", *extra]),
+    return fast_pipeline(models, frontend, load_profile("default", FP32 + ["codec.max_num_seqs=4", *extra]),
                         torch.device("cpu"))
 
 

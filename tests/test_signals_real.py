@@ -111,7 +111,7 @@ def test_close_joins_every_thread_the_fast_synthesizer_started(tmp_path, fixture
     """What the CLI relies on: after ``close()``, even with rows still in flight, none of the
     synthesizer's threads is alive (a daemon thread in a native call would abort the exit)."""
     from cosybatch.manifest import read_manifest
-    from cosybatch.pipeline import build_synthesizer
+    from cosybatch.synthesizers import build_synthesizer
 
     before = set(threading.enumerate())
     synth = build_synthesizer(str(model_dir), "cpu", None, ["ar.max_num_seqs=1", "codec.max_num_seqs=1"])

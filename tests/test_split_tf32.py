@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cosybatch.frontend_models.split_tf32 import SplitTF32Linear, split, split_linears, tf32_high
-from cosybatch.runtime import float32_math
+from cosybatch.frontend.split_tf32 import SplitTF32Linear, split, split_linears, tf32_high
+from cosybatch.gpu.runtime import float32_math
 
 
 def _values(n=4096, seed=0):

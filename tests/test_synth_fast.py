@@ -43,7 +43,7 @@ def test_synth_force_length_and_ledger_tokens(fixtures_dir, tmp_path):
 
     from cosybatch.cli import cli
     from cosybatch.manifest import read_manifest
-    from cosybatch.requests import force_tokens
+    from cosybatch.scheduler.protocol import force_tokens
 
     out = tmp_path / "out"
     manifest = fixtures_dir / "prompts" / "meta.lst"
@@ -71,7 +71,7 @@ def test_bfloat16_prompt_features_are_part_of_the_resume_fingerprint(fixtures_di
     must be refused; every float32 path gives the reference's codes and shares the fingerprint."""
     import torch
 
-    from cosybatch.pipeline import build_synthesizer
+    from cosybatch.synthesizers import build_synthesizer
 
     synth = build_synthesizer(str(fixtures_dir / "model"), "cpu", None, ["frontend.precision=bfloat16"])
     try:
@@ -97,8 +97,8 @@ def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed
     serves prompts trickling in; the streaming profiles keep it. Start-up's phases are timed."""
     import torch
 
-    from cosybatch.frontend import Frontend
-    from cosybatch.pipeline import _fast_pipeline
+    from cosybatch.frontend.frontend import Frontend
+    from cosybatch.synthesizers import _fast_pipeline
     from cosybatch.profiles import load_profile
 
     calls = []

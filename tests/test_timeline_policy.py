@@ -2,8 +2,8 @@
 
 import math
 
-from cosybatch.timeline.costs import CostModel
-from cosybatch.timeline.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, launch_prompts,
+from cosybatch.scheduler.costs import CostModel
+from cosybatch.scheduler.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, launch_prompts,
                                        pick_jobs, plan, worth_starting)
 
 COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
@@ -187,7 +187,7 @@ def test_accounting_splits_iterations_into_own_work_and_waits():
 
     import torch
 
-    from cosybatch.timeline.accounting import Accounting
+    from cosybatch.scheduler.accounting import Accounting
 
     acct = Accounting(torch.device("cpu"))
     for wait_s in (0.0, 0.02):
@@ -207,7 +207,7 @@ def test_accounting_reports_the_host_time_spent_queueing_each_kind_of_slice():
 
     import torch
 
-    from cosybatch.timeline.accounting import Accounting
+    from cosybatch.scheduler.accounting import Accounting
 
     acct = Accounting(torch.device("cpu"))
     for _ in range(2):
@@ -245,7 +245,7 @@ def test_prompts_launch_in_full_batches_while_the_engine_has_rows_queued():
 def test_a_slice_closed_as_another_kind_is_counted_there_without_its_learner():
     import torch
 
-    from cosybatch.timeline.accounting import Accounting
+    from cosybatch.scheduler.accounting import Accounting
 
     acct = Accounting(torch.device("cpu"))
     learned = []

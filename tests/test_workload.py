@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from cosybatch import workload
+from cosybatch.bench.closed_loop import workload
 from cosybatch.manifest import read_manifest
-from cosybatch.requests import CHARS_PER_SECOND, force_tokens
+from cosybatch.scheduler.protocol import CHARS_PER_SECOND, force_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cosybatch.write_behind import WriteBehind
+from cosybatch.output.write_behind import WriteBehind
 
 
 def test_commits_every_item_in_order_on_its_own_thread():

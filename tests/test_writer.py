@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosybatch import writer
-from cosybatch.writer import (Ledger, OutputFault, TimingWriter, encode_wav, latest_rows, read_ledger, read_ledgers,
-                              remove_stale_tmp, wav_size, write_wav_atomic)
-from fake_disk import FullDisk
+from cosybatch.atomic import OutputFault, remove_stale_tmp
+from cosybatch.output.audio_files import encode_wav, wav_size, write_wav_atomic
+from cosybatch.output.ledger import Ledger, latest_rows, read_ledger, read_ledgers
+from cosybatch.output.timing import TimingWriter
+from fake_disk import FullDisk, install as install_disk
 
 
 def _tone(n=2400, amp=0.5):
@@ -81,7 +82,7 @@ def test_failure_mid_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypat
     def boom(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer.os, "fsync", boom)
+    monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(OutputFault) as ei:
         write_wav_atomic(final, _tone(n=9999), 24000)
     assert str(ei.value) == f"cannot write {final}: no space left on device"
@@ -94,7 +95,7 @@ def test_failure_mid_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypat
                                         (errno.EDQUOT, "disk quota exceeded"), (errno.EIO, "input/output error")])
 def test_wav_on_a_full_disk_is_one_output_fault_and_no_temp(tmp_path, monkeypatch, nth, partial, err, reason):
     disk = FullDisk("u1.wav", nth=nth, partial=partial, err=err)
-    monkeypatch.setattr(writer, "os", disk)
+    install_disk(monkeypatch, disk)
     with pytest.raises(OutputFault) as ei:
         write_wav_atomic(tmp_path / "u1.wav", _tone(n=24000), 24000)
     assert (ei.value.path, ei.value.errno, ei.value.reason) == (tmp_path / "u1.wav", err, reason)
@@ -120,7 +121,7 @@ def test_interrupt_mid_write_never_exposes_a_partial_final_name(tmp_path, monkey
         assert not os.path.exists(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(writer.os, "replace", spy_replace)
+    monkeypatch.setattr(os, "replace", spy_replace)
     write_wav_atomic(tmp_path / "u2.wav", _tone(n=4800), 24000)
     assert seen == {"frames": 4800, "hidden": True}
 
@@ -138,7 +139,7 @@ def test_ledger_appends_fsynced_lines_and_survives_a_torn_tail(tmp_path, monkeyp
     path = tmp_path / "ledger.jsonl"
     synced = []
     real_fsync = os.fsync
-    monkeypatch.setattr(writer.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     with Ledger(path) as led:
         led.append({"event": "row", "utt_id": "a", "status": "ok"})
         led.append({"event": "row", "utt_id": "b", "status": "failed", "reason": "x"})
@@ -163,7 +164,7 @@ def test_ledger_append_on_a_full_disk_leaves_whole_lines_only(tmp_path, monkeypa
         led.append({"event": "row", "utt_id": "a", "status": "ok"})
     before = path.read_bytes()
     disk = FullDisk("ledger.jsonl", nth=1, partial=partial)
-    monkeypatch.setattr(writer, "os", disk)
+    install_disk(monkeypatch, disk)
     with Ledger(path) as led:
         with pytest.raises(OutputFault, match=f"cannot write {path}: no space left on device"):
             led.append({"event": "row", "utt_id": "b", "status": "ok"})
@@ -209,7 +210,7 @@ def test_timing_writer_is_atomic_and_rate_limited(tmp_path):
 def test_timing_rewrite_on_a_full_disk_keeps_the_previous_file(tmp_path, monkeypatch):
     tw = TimingWriter(tmp_path / "timing.json", min_interval_s=0)
     tw.write({"v": 1})
-    monkeypatch.setattr(writer, "os", FullDisk("timing.json", nth=1, partial=3))
+    install_disk(monkeypatch, FullDisk("timing.json", nth=1, partial=3))
     with pytest.raises(OutputFault, match="timing.json: no space left on device"):
         tw.write({"v": 2, "rows": list(range(1000))})
     assert json.loads((tmp_path / "timing.json").read_text()) == {"v": 1}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import MelConfig
-from .mel import kaldi_mel_banks, slaney_mel_filterbank
+from cosybatch.models.config import MelConfig
+from cosybatch.audio.mel import kaldi_mel_banks, slaney_mel_filterbank
 
 WHISPER_SAMPLE_RATE = 16000
 WHISPER_N_FFT = 400

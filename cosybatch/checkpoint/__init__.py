@@ -1,7 +1,7 @@
 """Checkpoint directories: locate (never download), read the config, load weights strictly."""
 
-from .hyperyaml import HyperYamlError, YamlObject, load_hyperyaml, parse_hyperyaml
-from .loader import (
+from cosybatch.checkpoint.hyperyaml import HyperYamlError, YamlObject, load_hyperyaml, parse_hyperyaml
+from cosybatch.checkpoint.loader import (
     BLANK_EN,
     LoadedModels,
     config_from_yaml,
@@ -14,7 +14,7 @@ from .loader import (
     read_state_dict,
     strict_load,
 )
-from .resolve import DEFAULT_REPO, YAML_NAME, CheckpointError, resolve_model_dir
+from cosybatch.checkpoint.resolve import DEFAULT_REPO, YAML_NAME, CheckpointError, resolve_model_dir
 
 __all__ = [
     "BLANK_EN",

@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from cosybatch.config import QwenConfig
+from cosybatch.models.config import QwenConfig
 
 ENDOFTEXT_ID = 151643  # first special id == size of the regular vocabulary
 SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}

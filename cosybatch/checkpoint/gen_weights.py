@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cosybatch.config import ModelConfig
+from cosybatch.models.config import ModelConfig
 
 BIAS_STD = 0.05
 GAIN_STD = 0.1

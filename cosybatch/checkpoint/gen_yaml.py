@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from string import Template
 
-from cosybatch.config import ModelConfig
+from cosybatch.models.config import ModelConfig
 
 _TEMPLATE = Template(
     """\

@@ -22,7 +22,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from cosybatch.config import (
+from cosybatch.models.config import (
     DiTConfig,
     FlowConfig,
     HiFTConfig,

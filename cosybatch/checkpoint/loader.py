@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..config import (
+from cosybatch.models.config import (
     DiTConfig,
     FlowConfig,
     HiFTConfig,
@@ -26,8 +26,8 @@ from ..config import (
     QwenConfig,
     SamplingConfig,
 )
-from .hyperyaml import HyperYamlError, YamlObject, load_hyperyaml
-from .resolve import YAML_NAME, CheckpointError
+from cosybatch.checkpoint.hyperyaml import HyperYamlError, YamlObject, load_hyperyaml
+from cosybatch.checkpoint.resolve import YAML_NAME, CheckpointError
 
 BLANK_EN = "CosyVoice-BlankEN"
 # Classes CosyVoice3 accepts (the official get_model_type asserts the same triple).
@@ -397,9 +397,9 @@ def load_models(model_dir: str | Path, device: str | torch.device = "cpu") -> Lo
         if not path.is_file():
             raise CheckpointError(f"{path}: file not found (incomplete checkpoint directory?)")
 
-    from ..models.flow import CausalMaskedDiffWithDiT
-    from ..models.hift import CausalHiFTGenerator
-    from ..models.speech_lm import CosyVoice3LM
+    from cosybatch.models.flow import CausalMaskedDiffWithDiT
+    from cosybatch.models.hift import CausalHiFTGenerator
+    from cosybatch.models.speech_lm import CosyVoice3LM
 
     built = {}
     for name, cls, sub, convert in (

@@ -119,7 +119,7 @@ class GraphBuilder:
 
 def save_atomic(model, path) -> None:
     """Write next to ``path`` and rename, so an interrupted write never leaves a torn model."""
-    from cosybatch.writer import replaced_on_success
+    from cosybatch.atomic import replaced_on_success
 
     with replaced_on_success(path) as tmp:
         tmp.write_bytes(model.SerializeToString())

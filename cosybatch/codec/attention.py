@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 from cosybatch.codec.packing import SubSeqs, varlen_offsets
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cosybatch.config import DiTConfig, FlowConfig
+from cosybatch.models.config import DiTConfig, FlowConfig
 
 
 def dit_token_flops(d: DiTConfig) -> float:

@@ -19,8 +19,8 @@ from typing import Callable, Hashable
 import torch
 
 from cosybatch.codec.flow_step import StepBuffers
-from cosybatch.cuda_graphs import GraphPool
-from cosybatch.graph_cache import stats_dict
+from cosybatch.gpu.cuda_graphs import GraphPool
+from cosybatch.gpu.graph_cache import stats_dict
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 from cosybatch.codec.attention import LaunchMeta, make_backend
 from cosybatch.codec.config import CodecConfig
 from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional,
@@ -31,7 +31,7 @@ from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block
 from cosybatch.codec.flow_conditioning import JobInputs, static_inputs
 from cosybatch.codec.flow_graphs import Capture, FlowGraphs
 from cosybatch.codec.flow_step import FlowTables, StepBuffers, euler_step
-from cosybatch.codec.hops import Chunk
+from cosybatch.hops import Chunk
 from cosybatch.codec.packing import FlowLayout, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
 from cosybatch.models.flow import CausalMaskedDiffWithDiT

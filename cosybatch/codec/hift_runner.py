@@ -39,11 +39,11 @@ from typing import Hashable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from cosybatch.graph_cache import GraphCache
+from cosybatch.gpu.graph_cache import GraphCache
 from cosybatch.codec.istft import CachedISTFT
 from cosybatch.codec.f0_gemm import F0Gemm
 from cosybatch.codec.snake import SnakePad
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 from cosybatch.models import noise as noise_tables
 from cosybatch.models.hift import CausalHiFTGenerator
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 
 _unfold_backward = torch.ops.aten.unfold_backward
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cosybatch.config import resolve_dtype
+from cosybatch.models.config import resolve_dtype
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

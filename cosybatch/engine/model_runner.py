@@ -14,15 +14,15 @@ import logging
 
 import torch
 
-from cosybatch.cuda_graphs import GraphPool
+from cosybatch.gpu.cuda_graphs import GraphPool
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
 from cosybatch.engine.prefill_graphs import PrefillGraphs, token_buckets
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.sampler import SamplerState, padded_vocab
-from cosybatch.hostcopy import copy_in, h2d
+from cosybatch.gpu.hostcopy import copy_in, h2d
 from cosybatch.models.speech_lm import CosyVoice3LM
-from cosybatch.runtime import triton_available
+from cosybatch.gpu.runtime import triton_available
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import logging
 
 import torch
 
-from cosybatch.cuda_graphs import GraphPool
-from cosybatch.hostcopy import copy_in, h2d
+from cosybatch.gpu.cuda_graphs import GraphPool
+from cosybatch.gpu.hostcopy import copy_in, h2d
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import queue
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cosybatch.config import SamplingConfig
-from cosybatch.sampling import SilentFilter
+from cosybatch.models.config import SamplingConfig
+from cosybatch.models.silence import SilentFilter
 
 # on_tokens(request_id, new flow-bound tokens, finished)
 TokenCallback = Callable[[str, list, bool], None]

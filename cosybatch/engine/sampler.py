@@ -22,7 +22,7 @@ import torch
 
 from cosybatch.engine.request import SamplingParams
 from cosybatch.engine.rng import split_seed, uniform
-from cosybatch.hostcopy import copy_in
+from cosybatch.gpu.hostcopy import copy_in
 
 _FIXED_ONE = float(2**40)  # fixed-point scale; sums of <= 2**13 such values fit int64 exactly
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from cosybatch.engine import triton_kernels as K
 from cosybatch.engine.kv_cache import PagedKVCache
 from cosybatch.engine.request import Sequence
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 from cosybatch.models.speech_lm import CosyVoice3LM
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import DiTConfig
+from cosybatch.models.config import DiTConfig
 
 LN_EPS = 1e-6
 

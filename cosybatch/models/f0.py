@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import HiFTConfig
+from cosybatch.models.config import HiFTConfig
 from cosybatch.models.causal_conv import CausalConv1d
 
 # Fixed by the official class, not by the yaml.

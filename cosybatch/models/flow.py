@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import FlowConfig
+from cosybatch.models.config import FlowConfig
 from cosybatch.models.dit import DiT
 
 

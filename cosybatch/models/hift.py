@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import HiFTConfig, ModelConfig
+from cosybatch.models.config import HiFTConfig, ModelConfig
 from cosybatch.models import noise as noise_tables
 from cosybatch.models.causal_conv import CausalConv1d, CausalConv1dDownSample, CausalConv1dUpsample
 from cosybatch.models.f0 import CausalConvF0Predictor, SourceModule

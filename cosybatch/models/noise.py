@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosybatch.config import ModelConfig
+from cosybatch.models.config import ModelConfig
 from cosybatch.models import f0 as f0_arch
 
 _SEED = 0

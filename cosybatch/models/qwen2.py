@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import QwenConfig
+from cosybatch.models.config import QwenConfig
 
 
 class RMSNorm(nn.Module):

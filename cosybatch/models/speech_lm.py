@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosybatch.config import LLMConfig
+from cosybatch.models.config import LLMConfig
 from cosybatch.models.qwen2 import Qwen2Model
 
 

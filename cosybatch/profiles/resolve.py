@@ -9,45 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from cosybatch.codec.attention import check_dtype
 from cosybatch.codec.config import CodecConfig
-from cosybatch.config import ModelConfig, SamplingConfig, resolve_dtype
+from cosybatch.models.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
 from cosybatch.profiles.schema import FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile
-from cosybatch.runtime import ProcessSettings, triton_available
+from cosybatch.gpu.runtime import ProcessSettings, triton_available
+from cosybatch.scheduler.settings import FrontendSettings, RunSettings, SliceSettings
 
 log = logging.getLogger("cosybatch.profiles")
 
 # CosyVoice3Model hard-codes the hop schedule 25 -> x2 -> 100 whatever chunk_size is (design.md D3).
 OFFICIAL_FIRST_HOP, OFFICIAL_MAX_HOP = 25, 100
-
-
-@dataclass(frozen=True)
-class SliceSettings:
-    """How the GPU timeline sizes codec work (design.md D15; ``timeline.policy.Limits``)."""
-
-    budget_ms: float  # codec GPU time between two AR steps
-    budget_max_ms: float | None  # the most it grows to while few rows decode; None: fixed
-    solve_tokens: int | None  # a flow solve worth starting; None: from the learned costs
-    first_wait_s: float  # a row's first hop waits at most this long for a bigger solve
-    max_wait_s: float  # any hop, at most this long
-
-
-@dataclass(frozen=True)
-class FrontendSettings:
-    """The ``cosybatch.frontend.Frontend`` arguments a profile chooses."""
-
-    backend: str  # "auto", "torch" or "onnxruntime"
-    dtype: torch.dtype
-    split_tf32: bool
-    batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
-    row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
-    warmup: bool  # every length bucket's shapes planned and captured at start-up
 
 
 def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
@@ -56,22 +33,6 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
     return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.row_bucket, f.warmup)
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """Everything the fast pipeline needs, with every default filled in."""
-
-    engine: EngineConfig
-    codec: CodecConfig
-    process: ProcessSettings
-    streaming: bool
-    hops: tuple[int, int, int]  # (first, max, scale) in tokens
-    sampling: SamplingParams  # per-row seeds and forced lengths are derived from it
-    frontend_workers: int
-    frontend: FrontendSettings
-    slices: SliceSettings
-    profile: str = ""
 
 
 def resolve_sampling(s: SamplingProfile, checkpoint: SamplingConfig) -> SamplingParams:

@@ -94,7 +94,7 @@ class FrontendProfile:
 
 @dataclass(frozen=True)
 class HopsProfile:
-    """Streaming hop schedule in speech tokens (see ``cosybatch.codec.hops``)."""
+    """Streaming hop schedule in speech tokens (see ``cosybatch.hops``)."""
 
     first: int | None = None  # None: the official 25 tokens (plus the prompt pad)
     max: int | None = None  # None: the official 100 (or first, if larger)

@@ -14,9 +14,9 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from cosybatch.config import SamplingConfig
+from cosybatch.models.config import SamplingConfig
 from cosybatch.models.speech_lm import CosyVoice3LM
-from cosybatch.sampling import ras_sampling
+from cosybatch.reference.samplers import ras_sampling
 
 # The official inference() defaults; they are not in cosyvoice3.yaml.
 MIN_TOKEN_TEXT_RATIO = 2.0

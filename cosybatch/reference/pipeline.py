@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cosybatch.codec.hops import HopSchedule, SegmentPlanner
+from cosybatch.hops import HopSchedule, SegmentPlanner
 from cosybatch.reference.llm import generate_tokens
 from cosybatch.reference.token2wav import HiftStream, flow_chunk, flow_full
-from cosybatch.sampling import silent_filter
+from cosybatch.models.silence import silent_filter
 
 
 @dataclass

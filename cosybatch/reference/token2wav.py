@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosybatch.codec.hops import Chunk
+from cosybatch.hops import Chunk
 from cosybatch.prompt import PromptFeatures
 
 

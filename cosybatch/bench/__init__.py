@@ -1,0 +1,1 @@
+"""Benchmarks: the closed-loop driver, its metrics, the synthetic workload, a random LM."""

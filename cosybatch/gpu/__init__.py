@@ -1,0 +1,1 @@
+"""CUDA-graph capture and caches, host-to-device copies, process-wide numeric settings."""

@@ -1,0 +1,1 @@
+"""Driving a run: synth, resume, shards, signals, options, check, merge, progress, exit codes."""

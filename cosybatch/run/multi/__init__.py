@@ -1,0 +1,1 @@
+"""synth --devices/--workers: the launcher, one worker process, where workers run."""

@@ -1,0 +1,1 @@
+"""Ray Data: the public synthesize(), the driver behind synth --ray, the actor stage."""

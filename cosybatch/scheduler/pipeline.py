@@ -1,0 +1,427 @@
+"""The fast pipeline: frontend -> continuous-batching AR engine -> packed codec, in one process
+whose one thread owns the GPU timeline (design.md D15).
+
+Each ``step`` is one iteration: admit rows whose prompt features are ready, queue one AR step
+(a prefill or a graphed decode step), queue the codec slices the policy picks for the budget
+(``timeline/policy.py``: Euler steps of the packed flow, a batched HiFT call), then read the
+AR step's tokens (the one sync of an iteration: it waits for the AR step, not for the codec
+work queued after it) and turn them into hops. Audio comes back through pinned buffers read
+once their copy has finished. One stream, one order: the AR step never competes with codec
+kernels for the GPU. Prompt work (``timeline/prompt_work.py``): audio is read and resampled on
+worker threads that never touch CUDA; when the frontend runs on the GPU, its batched models
+run here as one more slice, read back an iteration later.
+
+Rows are independent: an exception while preparing or running one row becomes that row's
+``error`` event and the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cosybatch.codec.flops import solve_flops
+from cosybatch.codec.flow_runner import FlowJob, FlowRunner
+from cosybatch.codec.hift_runner import HiftRunner
+from cosybatch.hops import Chunk, HopSchedule, SegmentPlanner
+from cosybatch.engine.llm_engine import LLMEngine
+from cosybatch.engine.request import RequestFailed, SamplingParams
+from cosybatch.gpu.hostcopy import h2d
+from cosybatch.scheduler.settings import RunSettings
+from cosybatch.prompt import PromptFeatures
+from cosybatch.scheduler.protocol import Event, SynthRequest
+from cosybatch.scheduler.startup import StartupClock
+from cosybatch.scheduler import policy
+from cosybatch.scheduler.accounting import Accounting
+from cosybatch.scheduler.codec_work import CodecWork, Hop
+from cosybatch.scheduler.costs import CostModel
+from cosybatch.scheduler.prompt_work import PromptWork
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Row:
+    req: SynthRequest
+    prompt: PromptFeatures  # tokens on the host; mel and embedding on the pipeline's device
+    prompt_text_ids: torch.Tensor
+    segments: list[torch.Tensor]
+    schedule: HopSchedule
+    seg: int = 0
+    tokens: list[int] = field(default_factory=list)  # flow tokens of the current segment
+    generated: int = 0  # raw speech tokens the LM produced for the row, all segments
+    llm_done: bool = False
+    planner: SegmentPlanner | None = None
+    first_audio: float | None = None  # host time its first non-empty chunk came back
+    audio_s: float = 0.0  # seconds of audio returned so far
+
+    @property
+    def deadline(self) -> float:
+        """When a player that started at the first chunk runs out of what it has."""
+        return policy.INF if self.first_audio is None else self.first_audio + self.audio_s
+
+
+class FastPipeline:
+    """Implements ``cosybatch.scheduler.protocol.StreamingPipeline`` over the AR engine and packed codec."""
+
+    def __init__(self, models, frontend, settings: RunSettings, device: torch.device,
+                 startup: StartupClock | None = None):
+        self.cfg = models.cfg
+        self.settings = settings
+        self.frontend = frontend
+        self.device = device
+        self.sample_rate = self.cfg.sample_rate
+        self.token_frame_rate = self.cfg.token_frame_rate
+        self.sampling = settings.sampling
+        self.hops = settings.hops
+        self.lookahead = self.cfg.flow.pre_lookahead_len
+        self.streaming = settings.streaming
+        codec_cfg = settings.codec
+        self.startup = startup = startup or StartupClock(device)
+        with startup.phase("AR engine"):
+            self.engine = LLMEngine(models.llm, settings.engine)
+        self.acct = Accounting(device)
+        sl = settings.slices
+        limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms, budget_max_ms=sl.budget_max_ms,
+                               ar_capacity=settings.engine.max_num_seqs,
+                               max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
+                               n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
+                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
+        with startup.phase("codec"):
+            hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
+                              max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
+                              fused_snake=codec_cfg.triton_kernels)
+            if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
+                n = hift.precapture(codec_cfg.hift_graph_precapture)
+                log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
+                         len(codec_cfg.hift_graph_precapture))
+            self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
+                                   CostModel(learn=device.type == "cuda"), limits, device)
+        self._token_frames = self.cfg.flow.token_mel_ratio
+        self._chunk_frames = self.cfg.flow.dit.static_chunk_size
+        # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
+        on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
+        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch)
+        self._rows: dict[str, _Row] = {}
+        self._events: list[Event] = []
+        self._order = 0
+        self._marks: deque = deque()  # an event at the end of each recent iteration's work
+        self._counter_base: dict[str, int] = {}
+        # captures made before the first request (start-up) are not the window's
+        self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
+
+    # ------------------------------------------------------------------ protocol
+
+    def add_request(self, req: SynthRequest) -> None:
+        if req.stream != self.streaming:  # the mode is the profile's; say so rather than ignore it
+            mode = "streaming" if self.streaming else "full"
+            self._events.append(Event(req.request_id, "error", error=f"stream={req.stream} asked of a pipeline "
+                                      f"built for mode={mode} (set the profile's mode)"))
+            return
+        self.prompts.add(req)
+
+    def has_work(self) -> bool:
+        return bool(self.prompts.has_work() or self._rows or self._events or self.codec.has_work())
+
+    def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage held the GPU (AR, flow, HiFT), and the frontend workers' busy time."""
+        busy = self.acct.busy_s()
+        return {"frontend": self.prompts.busy_s + busy.get("frontend", 0.0),
+                "ar": busy.get("ar_decode", 0.0) + busy.get("ar_prefill", 0.0),
+                "flow": sum(v for k, v in busy.items() if k.startswith("flow")),
+                "hift": sum(v for k, v in busy.items() if k.startswith("hift"))}
+
+    def timeline(self, reset: bool = False, wall_s: float | None = None, settle: bool = True) -> dict:
+        """AR step times, slice durations, busy and idle shares, host time per iteration
+        (since the start or the last reset; shares of ``wall_s`` if given); ``reset`` starts a
+        new window; ``settle=False``: a snapshot of the finished slices, without a GPU sync."""
+        out = self.acct.summary(wall_s, settle)
+        now = self._counters()
+        base = self._counter_base
+        d = {k: v - base.get(k, 0) for k, v in now.items()}
+        per = lambda a, b: round(d[a] / d[b], 2) if d[b] else None  # noqa: E731
+        out["batches"] = {
+            "flow_jobs_per_solve": per("flow_jobs", "flow_calls"),
+            "flow_tokens_per_step": per("flow_tokens", "flow_calls"),
+            "flow_padding_share": round(1 - d["flow_tokens"] / d["flow_padded"], 3) if d["flow_padded"] else None,
+            "hift_jobs_per_batch": per("hift_jobs", "hift_batches"),
+            "hift_frames_per_batch": per("hift_frames", "hift_batches"),
+            "prefill_seqs_per_call": per("prefill_seqs", "prefill_calls"),
+            "prefill_graph_share": per("prefill_graphed", "prefill_calls"),
+            **{k: d[k] for k in ("flow_calls", "hift_batches", "prefill_calls")},
+        }
+        graphs = self._graph_stats()
+        for k, g in graphs.items():  # captures inside the window: what start-up did not capture
+            if g and "captures" in g:
+                g["captures_in_window"] = g["captures"] - self._capture_base.get(k, 0)
+        out["graphs"] = graphs
+        # The flow's arithmetic rate inside the pipeline: its work (linear, conv and attention;
+        # padding not counted) over the GPU time of its steps and captures (a capture also runs
+        # its step once eagerly, so this errs low). What the flow costs decides most targets.
+        flow_ms = sum(out.get("slice_ms", {}).get(k, {}).get("total", 0.0) for k in ("flow_step", "flow_capture"))
+        work = solve_flops(self.cfg.flow, d["flow_tokens"], d["flow_attn_pairs"])
+        out["flow_tflops"] = float(f"{work / flow_ms / 1e9:.4g}") if flow_ms else None
+        if reset:
+            self.acct.reset()
+            self._counter_base = now
+            self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
+        return out
+
+    def _graph_stats(self) -> dict:
+        """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
+        flow, hift = self.codec.flow.graphs, self.codec.hift.graphs
+        pg = self.engine.runner.prefill_graphs
+        stats = getattr(self.frontend, "graph_stats", lambda: None)()
+        return {"flow": flow.stats.as_dict() if flow is not None else None,
+                "hift": hift.stats.as_dict() if hift is not None else None,
+                "frontend": stats,
+                "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None}
+
+    def _counters(self) -> dict[str, int]:
+        """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""
+        fs = self.codec.flow.stats
+        es = self.engine.stats
+        pg = self.engine.runner.prefill_graphs
+        return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
+                "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
+                "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
+                "prefill_graphed": pg.replays if pg is not None else 0}
+
+    def step(self) -> list[Event]:
+        t0 = time.perf_counter()
+        progressed = self._admit()
+        progressed |= self._take_audio(wait=False)
+        progressed |= self._launch_ar()
+        # An AR step is queued (launched now, or run ahead by the last collect): the codec's
+        # slices then share the iteration with it and keep to the budget.
+        ar = self.engine.in_flight
+        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows)
+        self._bound_queue()
+        if self.engine.in_flight:
+            self._collect_ar()
+        progressed |= self._take_audio(wait=False)
+        self.acct.poll()
+        self.acct.iteration((time.perf_counter() - t0) * 1e3)
+        if not progressed and not self._events:
+            self._idle()
+        events, self._events = self._events, []
+        return events
+
+    def _bound_queue(self) -> None:
+        """The host runs at most two iterations ahead of the GPU. With an AR step in flight the
+        tokens' sync already bounds it; without one (rows wait for the codec) nothing would."""
+        if self.device.type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self._marks.append(ev)
+        while len(self._marks) > 2:
+            with self.acct.waiting():
+                self._marks.popleft().synchronize()
+
+    def warm_prompts(self, wav_paths) -> int:
+        """Compute and cache the features of these prompts now, in batches, so that requests
+        using them later pay no frontend model work (``profile --warm-prompts``: the same run
+        with the frontend's work removed). Returns the number of distinct paths."""
+        return self.prompts.warm(wav_paths)
+
+    def close(self) -> None:
+        """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
+        let the frontend finish its disk-cache writes."""
+        self.prompts.close()
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, wait: bool = False) -> bool:
+        """Rows whose prompt work is done start their first segment (``timeline/prompt_work``)."""
+        ready, failed, progressed = self.prompts.take(wait, self.engine.waiting_rows)
+        for rid, e in failed:
+            self._error(rid, e)
+        for req, feats, text in ready:
+            rid = req.request_id
+            # The copy the codec reads: mel and embedding on the device, tokens on the host (they index).
+            prompt = PromptFeatures(feats.speech_tokens, h2d(feats.embedding, device=self.device),
+                                    h2d(feats.mel, device=self.device))
+            first, mx, scale = self.hops
+            row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
+            self._rows[rid] = row
+            self._start_segment(row)
+        return progressed
+
+    def _params(self, req: SynthRequest, seg: int) -> SamplingParams:
+        s = self.sampling
+        # Each segment gets its own random stream, derived from the run seed and the row's id,
+        # so tokens depend neither on what else is in flight nor on the row's place in the run.
+        key = getattr(req.row, "utt_id", req.request_id)  # not the request id: resume/shard/order-proof
+        seed = (s.seed * 1_000_003 + zlib.crc32(str(key).encode()) * 101 + seg) % (2**63)
+        return replace(s, seed=seed, force_length=self._forced(req, seg))
+
+    def _forced(self, req: SynthRequest, seg: int) -> int | None:
+        """A row's forced token count, split over its segments by their text length."""
+        if req.force_tokens is None:
+            return None
+        lens = [len(t) for t in self._rows[req.request_id].segments]
+        before = sum(lens[:seg])
+        share = lambda n: round(req.force_tokens * n / sum(lens))  # noqa: E731
+        return max(1, share(before + lens[seg]) - share(before))
+
+    def _start_segment(self, row: _Row) -> None:
+        row.tokens, row.llm_done = [], False
+        P = row.prompt.speech_tokens.shape[0]
+        row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
+        try:
+            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
+                                    self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
+        except Exception as e:
+            self._fail(row, e)
+
+    # ------------------------------------------------------------------ AR
+
+    def _launch_ar(self) -> bool:
+        if self.engine.in_flight or not self.engine.has_unfinished():
+            return False
+        kind = "ar_prefill" if self.engine.scheduler.can_admit() else "ar_decode"
+        t = self.acct.start(kind)
+        try:
+            launched = self.engine.launch()
+        except RequestFailed as e:  # the engine dropped that one request and goes on
+            self.acct.cancel(t)
+            self._fail_request(e)
+            return True
+        except Exception as e:  # anything else leaves the engine's rows unknown: fail them
+            self.acct.end(t)
+            self._engine_failed(e)
+            return True
+        self.acct.end(t)
+        return launched
+
+    def _collect_ar(self) -> None:
+        # collect() may queue the next decode step at once (nothing finished, nobody to admit):
+        # that step is AR work on the timeline too, so it is accounted like a launched one.
+        t = self.acct.start("ar_decode")
+        try:
+            with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
+                outs = self.engine.collect()
+        except Exception as e:
+            self.acct.cancel(t)
+            self._engine_failed(e)
+            return
+        if self.engine.in_flight:
+            self.acct.end(t)
+        else:
+            self.acct.cancel(t)
+        for out in outs:
+            if out.finished:
+                self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
+            row = self._rows.get(_row_id(out.request_id))
+            if row is None:
+                continue
+            row.tokens.extend(out.new_tokens)
+            row.generated += len(out.new_raw_tokens)
+            row.llm_done = row.llm_done or out.finished
+            self._plan_hops(row)
+
+    def _fail_request(self, e: RequestFailed) -> None:
+        log.error("%s", e)
+        row = self._rows.get(_row_id(e.request_id))
+        if row is not None:
+            self._fail(row, e)
+
+    def _engine_failed(self, e: Exception) -> None:
+        log.error("AR engine step failed (%s: %s); failing the rows it was decoding", type(e).__name__, e)
+        for row in [r for r in self._rows.values() if not r.llm_done]:
+            self._fail(row, e)
+
+    # ------------------------------------------------------------------ hand-off to the codec
+
+    def _plan_hops(self, row: _Row) -> None:
+        if row.planner is not None:
+            while (chunk := row.planner.next_chunk(len(row.tokens), row.llm_done)) is not None:
+                self._hop(row, chunk, row.tokens[: chunk.end])
+        elif row.llm_done:
+            self._hop(row, None, list(row.tokens))
+
+    def _hop(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> None:
+        rid = row.req.request_id
+        job = FlowJob(_segment_id(rid, row.seg), torch.tensor(tokens, dtype=torch.long), row.prompt, chunk)
+        self._order += 1
+        first = row.first_audio is None and row.seg == 0 and (chunk is None or chunk.index == 0)
+        self.codec.add(Hop(job, rid, self._order, first, chunk is None or chunk.finalize, self._tokens(row, chunk, tokens),
+                           time.perf_counter()))
+
+    def _tokens(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> int:
+        """Transformer tokens the hop adds to a solve (both CFG rows): the whole row unless the
+        prefix cache holds its complete chunks."""
+        frames = self._token_frames * (row.prompt.speech_tokens.shape[0] + len(tokens))
+        if chunk is None or chunk.index == 0 or chunk.finalize or not self.settings.codec.prefix_budget_bytes:
+            return 2 * frames
+        new = self._token_frames * (chunk.end - chunk.offset) + self._chunk_frames
+        return 2 * min(frames, new)
+
+    def _deadline(self, row_id: str) -> float:
+        row = self._rows.get(row_id)
+        return row.deadline if row is not None else policy.INF
+
+    def _take_audio(self, wait: bool) -> bool:
+        outcomes = self.codec.take_audio(wait)
+        for o in outcomes:
+            row = self._rows.get(o.row_id)
+            if row is None:
+                continue  # the row already failed
+            if o.error is not None:
+                self._fail(row, o.error)
+                continue
+            self._events.append(Event(o.row_id, "chunk", audio=o.audio))
+            if len(o.audio):
+                row.first_audio = row.first_audio or time.perf_counter()
+                row.audio_s += len(o.audio) / self.sample_rate
+            if o.finalize:
+                self.codec.release(o.segment_id)
+                row.seg += 1
+                if row.seg < len(row.segments):
+                    self._start_segment(row)
+                else:
+                    del self._rows[o.row_id]
+                    self._events.append(Event(o.row_id, "done", tokens=row.generated))
+        return bool(outcomes)
+
+    def _fail(self, row: _Row, e: Exception) -> None:
+        rid = row.req.request_id
+        seg_id = _segment_id(rid, row.seg)
+        try:
+            self.engine.abort(seg_id)
+        except Exception:  # after an engine fault its bookkeeping may be gone; the row fails anyway
+            log.debug("abort of %s failed", rid, exc_info=True)
+        self.codec.drop_row(rid, seg_id)
+        self._rows.pop(rid, None)
+        self._error(rid, e)
+
+    def _error(self, request_id: str, e: Exception) -> None:
+        self._events.append(Event(request_id, "error", error=f"{type(e).__name__}: {e}"))
+
+    def _idle(self) -> None:
+        """Nothing was queued: wait for the GPU's oldest chunk or frontend batch, or briefly for
+        the frontend's workers."""
+        if self.prompts.launched:
+            self._admit(wait=True)
+            return
+        if self.codec.outbox:
+            with self.acct.waiting():
+                self._take_audio(wait=True)
+            return
+        self.prompts.idle()
+
+
+def _segment_id(request_id: str, seg: int) -> str:
+    return f"{request_id}#{seg}"
+
+
+def _row_id(segment_id: str) -> str:
+    return segment_id.rsplit("#", 1)[0]

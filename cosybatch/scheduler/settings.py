@@ -1,0 +1,52 @@
+"""The typed settings of one run of the fast pipeline, built from a profile by ``cosybatch.profiles.resolve``:
+the engine's, the codec's and the process's configs plus what the scheduler itself decides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cosybatch.codec.config import CodecConfig
+from cosybatch.engine.config import EngineConfig
+from cosybatch.engine.request import SamplingParams
+from cosybatch.gpu.runtime import ProcessSettings
+
+
+@dataclass(frozen=True)
+class SliceSettings:
+    """How the GPU timeline sizes codec work (design.md D15; ``timeline.policy.Limits``)."""
+
+    budget_ms: float  # codec GPU time between two AR steps
+    budget_max_ms: float | None  # the most it grows to while few rows decode; None: fixed
+    solve_tokens: int | None  # a flow solve worth starting; None: from the learned costs
+    first_wait_s: float  # a row's first hop waits at most this long for a bigger solve
+    max_wait_s: float  # any hop, at most this long
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    """The ``cosybatch.frontend.frontend.Frontend`` arguments a profile chooses."""
+
+    backend: str  # "auto", "torch" or "onnxruntime"
+    dtype: torch.dtype
+    split_tf32: bool
+    batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
+    row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
+    warmup: bool  # every length bucket's shapes planned and captured at start-up
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything the fast pipeline needs, with every default filled in."""
+
+    engine: EngineConfig
+    codec: CodecConfig
+    process: ProcessSettings
+    streaming: bool
+    hops: tuple[int, int, int]  # (first, max, scale) in tokens
+    sampling: SamplingParams  # per-row seeds and forced lengths are derived from it
+    frontend_workers: int
+    frontend: FrontendSettings
+    slices: SliceSettings
+    profile: str = ""

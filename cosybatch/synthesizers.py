@@ -1,0 +1,225 @@
+"""Wires frontend -> LM -> codec for the CLI: objects that turn manifest rows into audio.
+
+``ReferenceSynthesizer`` runs the slow exact path one row at a time; ``FastSynthesizer`` keeps
+many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthesizer`` (``synth``) and
+``build_streaming_pipeline`` (``profile``) pick one from a profile.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import cosybatch
+
+
+@dataclass
+class RowResult:
+    audio: np.ndarray  # float32 mono at sample_rate
+    sample_rate: int
+    tokens: int  # speech tokens behind the audio
+    timings: dict[str, float]  # frontend_s, llm_s, flow_s, hift_s, first_chunk_s, total_s (what is known)
+    chunks: int
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA GPU")
+    return torch.device(device)
+
+
+def _describe(model_dir, device, engine: str, **extra) -> dict:
+    return {"model": str(model_dir), "device": str(device), "engine": engine, **extra,
+            "cosybatch": cosybatch.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+class ReferenceSynthesizer:
+    """The exact, sequential path (profile ``reference``)."""
+
+    def __init__(self, model_dir, device: torch.device, profile=None, prompt_cache=None):
+        from cosybatch.checkpoint import load_models
+        from cosybatch.frontend.frontend import Frontend
+        from cosybatch.profiles import load_profile
+        from cosybatch.profiles.resolve import resolve_sampling
+        from cosybatch.reference.pipeline import ReferencePipeline
+        from cosybatch.gpu.runtime import ProcessSettings, apply_process_settings
+
+        profile = profile or load_profile("reference")
+        s = profile.sampling
+        # Refuse what the one-request path does not implement instead of ignoring it.
+        if s.mode == "standard" or s.max_tokens is not None or (profile.hops.first, profile.hops.max) != (None, None):
+            raise ValueError("the reference engine implements RAS sampling with the official 25 -> 100 hops only "
+                             "(no sampling.mode=standard, sampling.max_tokens or hops.*)")
+        self.model_dir, self.device = model_dir, device
+        if device.type == "cuda":  # the exact path: no TF32 anywhere (cuDNN enables it by default)
+            apply_process_settings(ProcessSettings(cudnn_tf32=False, matmul_tf32=False))
+        self.models = load_models(model_dir, device=str(device))
+        # onnxruntime on the CPU: the exact path's frontend, whatever the device
+        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache)
+        self.sample_rate = self.models.cfg.sample_rate
+        self.streaming = profile.mode == "streaming"
+        self.sampling = resolve_sampling(s, self.models.cfg.llm.sampling)
+        self.pipeline = ReferencePipeline(self.models, self.frontend, device, sampling=self.sampling.ras_config(),
+                                          enforce_min_len=s.enforce_min_len, seed=s.seed)
+
+    def fingerprint(self) -> dict:
+        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling)}
+
+    def describe(self) -> dict:
+        return _describe(self.model_dir, self.device, "reference")
+
+    def close(self) -> None:
+        """Nothing runs beside the caller's thread."""
+
+    def synthesize(self, row, stream: bool) -> RowResult:
+        trace = self.pipeline.run(row.prompt_wav, row.prompt_text, row.target_text, stream)
+        return RowResult(
+            audio=trace.audio,
+            sample_rate=self.sample_rate,
+            tokens=sum(len(s.llm_tokens) for s in trace.segments),
+            timings=trace.timings,
+            chunks=sum(len(s.chunk_wavs) for s in trace.segments),
+        )
+
+
+def fast_pipeline(models, frontend, profile, device: torch.device):
+    """A ``FastPipeline`` for loaded models under ``profile`` (tests and tools; the builders below
+    also apply the process-wide settings and time the start-up)."""
+    from cosybatch.profiles.resolve import resolve
+    from cosybatch.scheduler.pipeline import FastPipeline
+
+    return FastPipeline(models, frontend, resolve(profile, models.cfg, device), device)
+
+
+def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
+    from cosybatch.checkpoint import load_config, load_models
+    from cosybatch.frontend.frontend import Frontend
+    from cosybatch.profiles.resolve import resolve
+    from cosybatch.gpu.runtime import apply_process_settings
+    from cosybatch.scheduler.pipeline import FastPipeline
+    from cosybatch.scheduler.startup import StartupClock
+
+    # Resolve (and so validate) the profile before loading any weights, and set the
+    # process-wide switches before any model work.
+    settings = resolve(profile, load_config(model_dir), device)
+    apply_process_settings(settings.process)
+    clock = StartupClock(device)
+    with clock.phase("models"):
+        models = load_models(model_dir, device=str(device))
+    # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
+    f = settings.frontend
+    with clock.phase("frontend"):
+        frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
+                            split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
+                            disk_cache=prompt_cache, warmup=False)
+    if f.warmup:
+        with clock.phase("frontend warm-up"):
+            frontend.warmup()
+    pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
+    clock.log()
+    return pipeline
+
+
+class FastSynthesizer:
+    """``synth`` on the fast path: many rows in flight through ``scheduler.pipeline.FastPipeline``."""
+
+    def __init__(self, model_dir, device: torch.device, profile, force_length: bool = False, prompt_cache=None):
+        """``force_length``: each row generates the token count ``workload.force_tokens`` derives
+        from its text (what ``profile --force-length`` imposes; for random-weight benchmarks)."""
+        self.model_dir, self.device, self.profile = model_dir, device, profile
+        self.pipeline = _fast_pipeline(model_dir, device, profile, prompt_cache)
+        cfg = self.pipeline.cfg
+        self.sample_rate = cfg.sample_rate
+        self.streaming = profile.mode == "streaming"
+        self.force_length = force_length
+        # Admit a bounded window of rows so the frontend never runs far ahead of the engine.
+        self.window = max(profile.ar.max_num_seqs, profile.codec.max_num_seqs) * 2
+        self.startup = self.pipeline.startup.as_dict()
+        self._closed = False
+
+    def fingerprint(self) -> dict:
+        """Only what changes the audio: admission sizes, workers and graphs may change on resume."""
+        from cosybatch.models.config import resolve_dtype
+
+        p, dev = self.profile, self.device
+        return {"model": str(self.model_dir), "engine": "fast", "mode": p.mode,
+                "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
+                "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
+                "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
+                "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length,
+                # only when it changes the tokens, so float32 runs resume across frontend paths
+                **({"prompt_features": "bfloat16"} if self.pipeline.frontend.bfloat16 else {})}
+
+    def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage has been busy; rows share batches, so stages are timed per run."""
+        return self.pipeline.stage_busy()
+
+    def timeline(self) -> dict:
+        """The pipeline's GPU-timeline accounting since start-up (``serving.FastPipeline``).
+        timing.json is rewritten every few seconds of a run: a snapshot, never a GPU sync."""
+        return self.pipeline.timeline(settle=False)
+
+    def close(self) -> None:
+        """Stop and join every thread the pipeline started (safe to call twice)."""
+        if not self._closed:
+            self._closed = True
+            self.pipeline.close()
+
+    def describe(self) -> dict:
+        return _describe(self.model_dir, self.device, "fast", profile=self.profile.name)
+
+    def synthesize(self, row, stream: bool) -> RowResult:
+        for _, outcome in self.synthesize_batch([row], stream):
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        raise RuntimeError("the pipeline returned nothing")
+
+    def synthesize_batch(self, rows, stream: bool):
+        """(row, RowResult | Exception) in completion order. ``stream`` is the profile's mode
+        (``load_profile(stream=...)`` set it), so it needs no separate handling here."""
+        from cosybatch.scheduler.protocol import SynthRequest, drive, force_tokens
+
+        rate = float(self.pipeline.token_frame_rate)
+        reqs = (SynthRequest(row.utt_id, row, stream, force_tokens(row.target_text, rate) if self.force_length else None)
+                for row in rows)
+        for f in drive(self.pipeline, reqs, self.window):
+            row = f.request.row
+            if f.error is not None:
+                yield row, RuntimeError(f.error)
+                continue
+            pieces = [a for _, a in f.chunks]
+            audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+            first = next((t - f.admitted for t, a in f.chunks if len(a)), float("nan"))
+            timings = {"first_chunk_s": first, "total_s": f.finished - f.admitted}
+            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces))
+
+
+def build_synthesizer(model: str, device: str = "auto", profile: str | None = None,
+                      overrides: list[str] | None = None, stream: bool | None = None, force_length: bool = False,
+                      prompt_cache=None):
+    """The CLI's ``synth`` factory: the profile's engine (default profile: ``default``)."""
+    from cosybatch.checkpoint import resolve_model_dir
+    from cosybatch.profiles import load_profile
+
+    prof = load_profile(profile, list(overrides or ()), stream=stream)
+    model_dir, dev = resolve_model_dir(model), pick_device(device)
+    if prof.engine == "reference":
+        if force_length:
+            raise ValueError("--force-length needs the fast engine (the reference path runs the official loop)")
+        return ReferenceSynthesizer(model_dir, dev, prof, prompt_cache=prompt_cache)
+    return FastSynthesizer(model_dir, dev, prof, force_length=force_length, prompt_cache=prompt_cache)
+
+
+def build_streaming_pipeline(model: str, device: str, profile, prompt_cache=None):
+    """The ``profile`` command's factory: a ``requests.StreamingPipeline`` for the profile."""
+    from cosybatch.checkpoint import resolve_model_dir
+
+    if profile.engine == "reference":
+        raise ValueError("profile measures the fast engine; the reference engine has no streaming pipeline")
+    return _fast_pipeline(resolve_model_dir(model), pick_device(device), profile, prompt_cache)
