@@ -143,15 +143,15 @@ class FastSynthesizer:
         self._closed = False
 
     def fingerprint(self) -> dict:
-        """Only what changes the audio: admission sizes, workers and graphs may change on resume."""
-        from cosybatch.models.config import resolve_dtype
-
-        p, dev = self.profile, self.device
-        return {"model": str(self.model_dir), "engine": "fast", "mode": p.mode,
-                "hops": list(self.pipeline.hops), "sampling": vars(self.pipeline.sampling),
-                "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
-                "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
-                "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length,
+        """Only what changes the audio: admission sizes, workers and graphs may change on resume.
+        Read from the resolved settings, so it names what runs, not what the profile asked for."""
+        s = self.pipeline.settings
+        return {"model": str(self.model_dir), "engine": "fast", "mode": self.profile.mode,
+                "hops": list(s.hops), "sampling": vars(s.sampling),
+                "ar_dtype": str(s.engine.torch_dtype(self.device)), "flow_dtype": str(s.codec.flow_dtype),
+                # HiFT always runs in float32 (F0 in float64); the key keeps older OUT folders resumable
+                "hift_dtype": "float32", "hift_tf32": bool(s.process.cudnn_tf32),
+                "chunk_causal_final": s.codec.chunk_causal_final, "force_length": self.force_length,
                 # only when it changes the tokens, so float32 runs resume across frontend paths
                 **({"prompt_features": "bfloat16"} if self.pipeline.frontend.bfloat16 else {})}
 

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosybatch.models.config import LLMConfig  # noqa: E402
-from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.engine import LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
 
 
@@ -123,7 +124,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         try:
-            eng = LLMEngine(lm, EngineConfig(max_num_seqs=max(bl), max_model_len=512, **kw))
+            eng = LLMEngine(lm, engine_config(max_num_seqs=max(bl), max_model_len=512, **{"dtype": "auto", "cuda_graphs": True, **kw}))
             setup = time.time() - t0
             print(f"[{name}] engine ready in {setup:.1f}s graph modes {eng.runner.graph_modes}", flush=True)
             for b in bl:

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosybatch.models.config import LLMConfig  # noqa: E402
-from cosybatch.engine import EngineConfig, LLMEngine  # noqa: E402
+from cosybatch.engine import LLMEngine  # noqa: E402
+from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.engine.prefill_graphs import PrefillGraphs  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
@@ -99,7 +100,8 @@ def main() -> None:
     cfg = LLMConfig()
     lm = random_lm(cfg, device="cuda", dtype=torch.bfloat16)
     tokens = [int(t) for t in a.tokens.split(",")]
-    eng = LLMEngine(lm, EngineConfig(max_num_seqs=64, dtype="bfloat16", executor="triton", prefill_graph_tokens=0))
+    eng = LLMEngine(lm, engine_config(max_num_seqs=64, dtype="bfloat16", executor="triton", cuda_graphs=True,
+                                         prefill_graph_tokens=0))
     runner = eng.runner
     ex, scratch = runner.executor, runner.num_rows
     vocab = cfg.qwen.vocab_size

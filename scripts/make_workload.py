@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosybatch import workload  # noqa: E402
+from cosybatch.bench import workload  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

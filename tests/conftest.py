@@ -74,3 +74,13 @@ def load_ref(reference_dir: Path, name: str) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(reference_dir / f"{name}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def parts(model_dir):
+    """The fixture checkpoint's models and prompt frontend on the CPU."""
+    from cosybatch.checkpoint import load_models
+    from cosybatch.frontend.frontend import Frontend
+
+    models = load_models(model_dir)
+    return models, Frontend(model_dir, models.cfg)

@@ -241,7 +241,7 @@ def test_full_response_mode(hift, reference_dir):
 
 
 def test_graph_path_with_fake_backend_equals_eager(hift):
-    from test_graph_cache import FakeBackend
+    from helpers import FakeBackend
 
     backend = FakeBackend()
     graphed = HiftRunner(hift, graphs=dict(backend=backend, capture_after=1), frame_bucket=16)
@@ -266,7 +266,7 @@ def test_coarse_frame_buckets_change_nothing(hift):
 
 
 def test_precapture_serves_the_first_request(hift):
-    from test_graph_cache import FakeBackend
+    from helpers import FakeBackend
 
     backend = FakeBackend()
     runner = HiftRunner(hift, graphs=dict(backend=backend, capture_after=3), frame_bucket=16)

@@ -10,12 +10,14 @@ import torch
 from conftest import ROWS, load_ref
 from cosybatch.checkpoint import llm_state_dict, load_config, read_state_dict, strict_load
 from cosybatch.models.config import LLMConfig, QwenConfig, SamplingConfig
-from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams, TokenQueue
+from cosybatch.engine import LLMEngine, SamplingParams, TokenQueue
+from cosybatch.profiles.resolve import engine_config
 from cosybatch.engine.kv_cache import BlockAllocator
 from cosybatch.bench.random_lm import random_lm
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.rng import split_seed, uniform
 from cosybatch.engine.sampler import SamplerState, padded_vocab
+from helpers import run_alone, run_together
 from cosybatch.engine.scheduler import Scheduler
 from cosybatch.models.speech_lm import CosyVoice3LM
 from cosybatch.models.silence import silent_filter
@@ -54,22 +56,7 @@ def segments(reference_dir):
 def _engine(lm, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 2048)
     kw.setdefault("kv_block_size", 16)
-    return LLMEngine(lm, EngineConfig(**kw))
-
-
-def _run_together(eng: LLMEngine, reqs: list[dict], order: list[int]) -> list[list[int]]:
-    ids = {i: eng.add_request(**reqs[i], request_id=f"r{i}") for i in order}
-    eng.run()
-    return [eng.seqs[ids[i]].tokens for i in range(len(reqs))]
-
-
-def _run_alone(eng: LLMEngine, reqs: list[dict]) -> list[list[int]]:
-    out = []
-    for i, r in enumerate(reqs):
-        rid = eng.add_request(**r, request_id=f"a{i}")
-        eng.run()
-        out.append(eng.seqs[rid].tokens)
-    return out
+    return LLMEngine(lm, engine_config(**kw))
 
 
 # ---------------------------------------------------------------- fixture parity
@@ -77,7 +64,7 @@ def _run_alone(eng: LLMEngine, reqs: list[dict]) -> list[list[int]]:
 
 def test_fixture_tokens_alone(lm, segments):
     eng = _engine(lm, max_num_seqs=1)
-    got = _run_alone(eng, [req for _, req, _, _ in segments])
+    got = run_alone(eng, [req for _, req, _, _ in segments])
     for (name, _, raw, flow), toks in zip(segments, got):
         assert toks == raw, name
         assert silent_filter(toks) == flow, name
@@ -92,7 +79,7 @@ def test_fixture_tokens_batched_any_order(lm, segments, max_num_seqs, order):
         idx.reverse()
     elif order == "shuffled":
         random.Random(max_num_seqs).shuffle(idx)
-    got = _run_together(_engine(lm, max_num_seqs=max_num_seqs), reqs, idx)
+    got = run_together(_engine(lm, max_num_seqs=max_num_seqs), reqs, idx)
     for (name, _, raw, _), toks in zip(segments, got):
         assert toks == raw, (name, order)
 
@@ -126,7 +113,7 @@ def test_streaming_handoff_is_the_silent_filtered_stream(lm, segments):
 def test_max_len_stop(lm, segments):
     eng = _engine(lm, max_num_seqs=4, max_token_text_ratio=1.5)
     reqs = [req for _, req, _, _ in segments]
-    got = _run_together(eng, reqs, list(range(len(reqs))))
+    got = run_together(eng, reqs, list(range(len(reqs))))
     reasons = []
     for i, ((name, req, raw, _), toks) in enumerate(zip(segments, got)):
         n = int(len(req["text_ids"].reshape(-1)) * 1.5)
@@ -140,7 +127,7 @@ def test_force_length_ignores_stop_ids(lm, segments):
     eng = _engine(lm, max_num_seqs=4)
     n = 70  # longer than every fixture segment, whose greedy path would stop earlier
     reqs = [dict(req, params=SamplingParams.ras(lm.cfg.sampling, force_length=n)) for _, req, _, _ in segments[:4]]
-    got = _run_together(eng, reqs, [3, 1, 0, 2])
+    got = run_together(eng, reqs, [3, 1, 0, 2])
     for (name, _, raw, _), toks in zip(segments, got):
         assert len(toks) == n and max(toks) < lm.cfg.speech_token_size
         assert toks[: len(raw)] == raw, name  # masking stop ids changes nothing before the stop
@@ -168,12 +155,12 @@ def _stochastic_requests(segments, n: int, seed: int) -> list[dict]:
 
 def _invariance(model, reqs):
     # max_len 10 x text tokens keeps the CPU run short; stops are still mostly sampled ones
-    alone = _run_alone(_engine(model, max_num_seqs=1, max_token_text_ratio=10), reqs)
+    alone = run_alone(_engine(model, max_num_seqs=1, max_token_text_ratio=10), reqs)
     assert sum(len(t) for t in alone) > 10 * len(reqs)
     for max_num_seqs in (4, 16):
         order = list(range(len(reqs)))
         random.Random(max_num_seqs).shuffle(order)
-        together = _run_together(_engine(model, max_num_seqs=max_num_seqs, max_token_text_ratio=10), reqs, order)
+        together = run_together(_engine(model, max_num_seqs=max_num_seqs, max_token_text_ratio=10), reqs, order)
         assert together == alone, max_num_seqs
     return alone
 
@@ -208,7 +195,7 @@ def test_more_requests_than_kv_capacity(lm, segments):
     want = [raw for _, _, raw, _ in segments] * 2
     need = max(-(-(len(r["text_ids"].reshape(-1)) * 21 + 200) // 16) for r in reqs)
     eng = _engine(lm, max_num_seqs=8, num_kv_blocks=1 + 2 * need)  # room for about two at a time
-    got = _run_together(eng, reqs, list(range(len(reqs))))
+    got = run_together(eng, reqs, list(range(len(reqs))))
     assert got == want
     assert max(eng.stats.batch_hist) < eng.cfg.max_num_seqs  # admission was limited by KV blocks
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.capacity
@@ -233,11 +220,11 @@ def test_prefill_out_of_memory_backs_off_and_keeps_tokens(lm, segments):
     want = [raw for _, _, raw, _ in segments]
     eng = _engine(lm, max_num_seqs=8)
     calls = _oom_prefill(eng, lambda seqs: len(seqs) > 1)  # only single-request prefills fit
-    got = _run_together(eng, reqs, list(range(len(reqs))))
+    got = run_together(eng, reqs, list(range(len(reqs))))
     assert got == want  # the undone admissions were re-run from scratch, in arrival order
     # each failure halves the prefill's tokens until single requests go through: 6, 3, 1, 1, ...
     assert calls[0] == len(reqs) and calls == sorted(calls, reverse=True) and calls.count(1) == len(reqs)
-    assert eng.scheduler.max_prefill_tokens < EngineConfig().max_prefill_tokens
+    assert eng.scheduler.max_prefill_tokens < engine_config().max_prefill_tokens
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.capacity
 
 

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # pragma: no cover - CPU machines
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.engine import LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
-from test_engine import _run_alone, _run_together  # noqa: E402
+from helpers import run_alone, run_together  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -50,7 +51,9 @@ def _requests(n: int, seed: int, cfg: LLMConfig) -> list[dict]:
 
 def _engine(lm, **kw):
     kw.setdefault("max_model_len", 1024)
-    return LLMEngine(lm, EngineConfig(**kw))
+    kw.setdefault("dtype", "auto")  # bfloat16 on CUDA
+    kw.setdefault("cuda_graphs", True)
+    return LLMEngine(lm, engine_config(**kw))
 
 
 def _free(*engines):
@@ -119,7 +122,7 @@ def reqs():
 @pytest.fixture(scope="module")
 def alone_tokens(big_lm, reqs):
     eng = _engine(big_lm, max_num_seqs=16)
-    out = _run_alone(eng, reqs)
+    out = run_alone(eng, reqs)
     _free(eng)
     assert sum(len(t) for t in out) > 17 * len(reqs)
     return out
@@ -131,7 +134,7 @@ def test_batch_invariance_full_size(big_lm, reqs, alone_tokens, max_num_seqs):
     assert eng.runner.executor.name == "triton" and eng.runner.graphs
     order = list(range(len(reqs)))
     random.Random(max_num_seqs).shuffle(order)
-    got = _run_together(eng, reqs, order)
+    got = run_together(eng, reqs, order)
     replays = eng.runner.prefill_graphs.replays
     _free(eng)
     assert got == alone_tokens
@@ -199,7 +202,7 @@ def test_row_writes_and_step_launches_never_wait_for_the_gpu(big_lm, reqs):
 def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):
     eng = _engine(big_lm, max_num_seqs=16, cuda_graphs=False)
     assert not eng.runner.graphs
-    got = _run_together(eng, reqs, list(range(len(reqs))))
+    got = run_together(eng, reqs, list(range(len(reqs))))
     _free(eng)
     assert got == alone_tokens
 
@@ -207,7 +210,7 @@ def test_graph_replay_equals_eager(big_lm, reqs, alone_tokens):
 def test_more_requests_than_kv_capacity_gpu(big_lm, reqs, alone_tokens):
     need = max(-(-(len(r["text_ids"]) + len(r["prompt_speech_tokens"]) + 2 + 20 * 40 + 1) // 64) for r in reqs)
     eng = _engine(big_lm, max_num_seqs=16, num_kv_blocks=1 + 3 * need)
-    got = _run_together(eng, reqs, list(range(len(reqs))))
+    got = run_together(eng, reqs, list(range(len(reqs))))
     assert max(eng.stats.batch_hist) < 16
     _free(eng)
     assert got == alone_tokens
@@ -235,5 +238,5 @@ def test_fixture_tokens_triton_fp32(model_dir, reference_dir):
             s += 1
     eng = _engine(lm, max_num_seqs=4, dtype="float32", kv_block_size=16, max_model_len=2048)
     assert eng.runner.executor.name == "triton"
-    got = _run_together(eng, reqs, list(reversed(range(len(reqs)))))
+    got = run_together(eng, reqs, list(reversed(range(len(reqs)))))
     assert got == want

@@ -18,7 +18,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are impo
 pytest.importorskip("triton")
 
 from cosybatch.models.config import LLMConfig, QwenConfig  # noqa: E402
-from cosybatch.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.engine import LLMEngine, SamplingParams  # noqa: E402
+from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
         reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 400 + i], params=p))
 
     def engine(n):
-        return LLMEngine(lm, EngineConfig(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
+        return LLMEngine(lm, engine_config(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
                                           max_token_text_ratio=4))
 
     alone = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parity import assert_wave_close
-from test_serving import FP32, _drain, _rows
+from helpers import FP32, drain, fixture_rows
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,10 @@ def test_fast_streaming_equals_reference_with_misaligned_chunks(chunk15, fixture
 
     ref = ReferenceSynthesizer(chunk15, torch.device("cpu"))
     assert ref.models.cfg.flow.dit.static_chunk_size == 30
-    rows = [r for r in _rows(fixtures_dir) if r.utt_id in ("utt1", "utt4", "utt5_paragraph")]
+    rows = [r for r in fixture_rows(fixtures_dir) if r.utt_id in ("utt1", "utt4", "utt5_paragraph")]
     profile = load_profile("packed_streaming", FP32 + ["codec.max_num_seqs=3"] + extra)
     pipe = fast_pipeline(ref.models, ref.frontend, profile, torch.device("cpu"))
-    chunks, ends = _drain(pipe, [(r.utt_id, r, True) for r in rows])
+    chunks, ends = drain(pipe, [(r.utt_id, r, True) for r in rows])
     assert all(e.kind == "done" for e in ends.values())
     assert pipe.codec.flow.stats["cached_tokens"] > 0  # the prefix really was reused
     for r in rows:

@@ -7,40 +7,7 @@ import pytest
 import torch
 
 from cosybatch.gpu.graph_cache import CudaGraphBackend, GraphCache, precision_flags
-
-
-class FakeCaptured:
-    """Like a CUDA graph: replay recomputes into the same output buffer."""
-
-    def __init__(self, fn, inputs):
-        self.fn = fn
-        self.static_inputs = [x.clone() for x in inputs]
-        out = fn(*self.static_inputs)  # the warm-up call, eager, like CudaGraphBackend's
-        self.static_output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
-        self.warm_output = out
-        self.replays = 0
-
-    def replay(self):
-        out = self.fn(*self.static_inputs)
-        for dst, src in zip(*((self.static_output, out) if isinstance(out, tuple) else ((self.static_output,), (out,)))):
-            dst.copy_(src)
-        self.replays += 1
-
-
-class FakeBackend:
-    def __init__(self, fail_if=None):
-        self.fail_if = fail_if or (lambda inputs: False)
-        self.captures = 0
-        self.released = 0
-
-    def capture(self, fn, inputs):
-        if self.fail_if(inputs):
-            raise RuntimeError("injected capture failure")
-        self.captures += 1
-        return FakeCaptured(fn, inputs)
-
-    def release(self, captured):
-        self.released += 1
+from helpers import FakeBackend
 
 
 def double(x):

@@ -26,7 +26,7 @@ import torch
 
 from conftest import ROWS, load_ref
 from parity import assert_wave_close, rel_rms, wave_error
-from test_serving import _rows, official
+from helpers import fixture_rows, official
 
 pytestmark = pytest.mark.gpu
 
@@ -90,7 +90,7 @@ def _run(pipe, rows, stream, concurrency):
 def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_dir, mode):
     stream = mode == "streaming"
     pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}"])
-    chunks, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
+    chunks, tokens = _run(pipe, fixture_rows(fixtures_dir), stream, len(ROWS))
     graphs = pipe.timeline()["graphs"]
     pipe.close()
     want_tokens, want = official(reference_dir, stream)
@@ -110,7 +110,7 @@ def _snr(a, b) -> float:
 @pytest.mark.parametrize("mode", ["full", "streaming"])
 def test_bf16_row_alone_equals_the_row_packed_with_others(parts, fixtures_dir, mode):
     stream = mode == "streaming"
-    rows = _rows(fixtures_dir)
+    rows = fixture_rows(fixtures_dir)
     pipe = _pipeline(parts, [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4"])
     assert pipe.engine.runner.graphs or DEV.type != "cuda", "the shipped profile decodes from graphs on CUDA"
     packed, packed_tokens = _run(pipe, rows, stream, len(rows))
@@ -144,7 +144,7 @@ def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_
         return run(jobs)
 
     pipe.codec.hift.run = record
-    _, tokens = _run(pipe, _rows(fixtures_dir), stream, len(ROWS))
+    _, tokens = _run(pipe, fixture_rows(fixtures_dir), stream, len(ROWS))
     flow = pipe.timeline()["graphs"]["flow"]
     pipe.close()
     want_tokens, _ = official(reference_dir, stream)

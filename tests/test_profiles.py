@@ -41,7 +41,7 @@ def test_seed_profile_matches_the_anchor():
     p = load_profile("packed_streaming_optimized_standard")
     assert (p.engine, p.mode) == ("fast", "streaming")
     assert (p.ar.max_num_seqs, p.codec.max_num_seqs) == (32, 32)
-    assert p.optimizations.cached_istft and p.optimizations.hift_graphs
+    assert p.optimizations.hift_graphs
     o = p.optimizations
     assert (o.hift_graph_capacity, o.hift_graph_counters, o.hift_graph_capture_after) == (32, 128, 3)
     s = p.sampling
@@ -50,7 +50,7 @@ def test_seed_profile_matches_the_anchor():
     assert dict(p.requires) == {"sampling.mode": "standard", "mode": "streaming"}
     # inherited from packed_streaming
     # auto = bfloat16 on CUDA (the anchor's BF16 flow), float32 on CPU (parity runs)
-    assert p.codec.flow_dtype == "auto" and p.codec.hift_dtype == "float32"
+    assert p.codec.flow_dtype == "auto"
     assert p.sources[0].endswith("packed_streaming.yaml")
     assert p.origin("ar.max_num_seqs").endswith("packed_streaming_optimized_standard.yaml")
     assert p.origin("codec.flow_dtype").endswith("packed_streaming.yaml")
@@ -62,12 +62,12 @@ def test_base_and_reference_profiles():
     assert (base.ar.max_num_seqs, base.codec.max_num_seqs, base.mode) == (64, 16, "streaming")
     ref = load_profile("reference")
     assert ref.engine == "reference"
-    assert ref.ar.dtype == ref.codec.flow_dtype == ref.codec.hift_dtype == "float32"
+    assert ref.ar.dtype == ref.codec.flow_dtype == "float32"
     assert ref.optimizations == Optimizations() and not ref.ar.cuda_graphs
     d = load_profile("default")
     assert d == load_profile(None)
     assert (d.engine, d.mode, d.sampling.mode) == ("fast", "full", "checkpoint")
-    assert d.ar.max_num_seqs >= 128 and d.codec.flow_dtype == "auto" and d.codec.hift_dtype == "float32"
+    assert d.ar.max_num_seqs >= 128 and d.codec.flow_dtype == "auto"
 
 
 def test_to_dict_round_trips_the_keys():
@@ -242,14 +242,11 @@ def test_stream_flag_is_an_override_checked_by_requires():
 # --- no silent overrides (anchor finding 4) --------------------------------------------------
 
 
-def test_hift_graphs_need_cached_istft_explicitly():
-    path = load_profile("packed_streaming").sources[-1]
-    msg = err("packed_streaming", ["optimizations.hift_graphs=true", "optimizations.cached_istft=false"])
-    assert msg == (f"profile 'packed_streaming' ({path}): optimizations.hift_graphs=true "
-                   "(from --set optimizations.hift_graphs=true) requires optimizations.cached_istft=true "
-                   "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")
-    p = load_profile("packed_streaming", ["optimizations.hift_graphs=true", "optimizations.cached_istft=true"])
-    assert p.optimizations.hift_graphs and p.optimizations.cached_istft
+def test_removed_switches_are_refused():
+    # HiFT always runs in float32 with the cached ISTFT (bit-equal to torch.istft): the keys that
+    # pretended to choose otherwise are gone, and a profile still setting them is told so
+    for kv in ("optimizations.cached_istft=true", "codec.hift_dtype=float32"):
+        assert "unknown" in err("packed_streaming", [kv])
 
 
 def test_reference_engine_refuses_fast_settings():

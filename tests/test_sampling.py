@@ -5,15 +5,13 @@ import torch
 
 from conftest import ROWS, load_ref
 from cosybatch.models.config import SamplingConfig
+from cosybatch.models.silence import SILENT_TOKENS, SilentFilter, silent_filter
 from cosybatch.reference.samplers import (
-    SILENT_TOKENS,
-    SilentFilter,
     nucleus_count,
     nucleus_sampling,
     random_sampling,
     ras_sampling,
     repetition_hit,
-    silent_filter,
 )
 
 

@@ -1,84 +1,14 @@
 """The fast pipeline (AR engine + packed codec) gives the official outputs on the fixtures."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROWS, load_ref
+from conftest import ROWS
+from helpers import FP32, drain, fixture_rows, official
 from parity import assert_wave_close
 
-FP32 = ["ar.dtype=float32", "codec.flow_dtype=float32", "ar.cuda_graphs=false"]
 
-
-@pytest.fixture(scope="module")
-def parts(model_dir):
-    from cosybatch.checkpoint import load_models
-    from cosybatch.frontend.frontend import Frontend
-
-    models = load_models(model_dir)
-    return models, Frontend(model_dir, models.cfg)
-
-
-def _rows(fixtures_dir):
-    from cosybatch.manifest import ManifestRow
-
-    rows = []
-    for line in (fixtures_dir / "prompts" / "meta.lst").read_text().strip().splitlines():
-        utt, pt, wav, tt = line.split("|")
-        rows.append(ManifestRow(utt, pt, fixtures_dir / "prompts" / wav, tt))
-    return rows
-
-
-class _Together:
-    """Steps a pipeline only once every request's prompt work is done, so all rows are admitted
-    (and prefilled) in the same step: packed calls then hold several rows, deterministically."""
-
-    def __init__(self, pipe):
-        self.pipe, self.sample_rate = pipe, pipe.sample_rate
-
-    def add_request(self, req):
-        self.pipe.add_request(req)
-
-    def has_work(self):
-        return self.pipe.has_work()
-
-    def step(self):
-        for _, fut in list(self.pipe.prompts.preparing.values()):
-            fut.exception()  # waits
-        return self.pipe.step()
-
-
-def _drain(pipe, requests, force_tokens=None, together=False):
-    """Run (request id, row, stream) requests to the end through the shared driver loop:
-    (chunks per id, the final Event per id)."""
-    from cosybatch.scheduler.protocol import Event, SynthRequest, drive
-
-    reqs = [SynthRequest(rid, row, stream, force_tokens) for rid, row, stream in requests]
-    chunks, ends = {}, {}
-    for f in drive(_Together(pipe) if together else pipe, reqs, max(1, len(reqs))):
-        rid = f.request.request_id
-        chunks[rid] = [a for _, a in f.chunks]
-        ends[rid] = Event(rid, "error" if f.error else "done", error=f.error, tokens=f.tokens)
-    return chunks, ends
-
-
-def official(reference_dir, stream: bool) -> tuple[dict, dict]:
-    """The official implementation's (flow tokens per (utt, segment), waveform per chunk per utt)."""
-    toks, waves = {}, {}
-    for row in ROWS:
-        ref = load_ref(reference_dir, row)
-        meta = json.loads((reference_dir / f"{row}.json").read_text())
-        if stream:
-            names = [f"stream.seg{c['segment']}.chunk{c['chunk']}" for c in meta["stream_chunks"]]
-        else:
-            names = [f"nonstream.seg{s}" for s in range(len(meta["segments"]))]
-        waves[row] = [ref[f"{n}.wav"][0].numpy() for n in names]
-        mode = "stream" if stream else "nonstream"
-        for s in range(len(meta["segments"])):
-            toks[(row, s)] = ref[f"{mode}.seg{s}.speech_token"].tolist()  # the flow's input
-    return toks, waves
 
 
 @pytest.mark.parametrize("mode", ["full", "streaming"])
@@ -90,9 +20,9 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     extra = ["optimizations.prefix_reuse=true"] if mode == "streaming" else []
     profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2"] + extra)
     pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
-    rows = _rows(fixtures_dir)
+    rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
-    chunks, ends = _drain(pipe, [(r.utt_id, r, stream) for r in rows])
+    chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())
     _, want = official(reference_dir, stream)
@@ -110,10 +40,10 @@ def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
     models, frontend = parts
     bad_wav = tmp_path / "bad.wav"
     bad_wav.write_bytes(b"not a wav")
-    good = _rows(fixtures_dir)[2]
+    good = fixture_rows(fixtures_dir)[2]
     bad = ManifestRow("bad", good.prompt_text, bad_wav, good.target_text)
     pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
-    chunks, ends = _drain(pipe, [("bad", bad, False), ("good", good, False)])
+    chunks, ends = drain(pipe, [("bad", bad, False), ("good", good, False)])
     assert ends["bad"].kind == "error" and "bad.wav" in ends["bad"].error
     assert ends["good"].kind == "done" and len(chunks["good"]) == 1
 
@@ -127,16 +57,16 @@ def test_warm_prompts_leave_the_run_only_cache_hits(model_dir, fixtures_dir):
     from cosybatch.synthesizers import fast_pipeline
 
     models = load_models(model_dir)
-    rows = _rows(fixtures_dir)[:3]
+    rows = fixture_rows(fixtures_dir)[:3]
     reqs = [(r.utt_id, r, False) for r in rows]
     profile = load_profile("default", FP32)
-    cold, _ = _drain(fast_pipeline(models, Frontend(model_dir, models.cfg), profile, torch.device("cpu")),
+    cold, _ = drain(fast_pipeline(models, Frontend(model_dir, models.cfg), profile, torch.device("cpu")),
                      reqs, force_tokens=20)
     frontend = Frontend(model_dir, models.cfg)
     pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     assert pipe.warm_prompts([r.prompt_wav for r in rows] * 2) == 3
     misses = frontend._cache.stats["misses"]
-    warm, ends = _drain(pipe, reqs, force_tokens=20)
+    warm, ends = drain(pipe, reqs, force_tokens=20)
     assert frontend._cache.stats["misses"] == misses and all(e.kind == "done" for e in ends.values())
     for r in rows:
         assert_wave_close(np.concatenate(warm[r.utt_id]), np.concatenate(cold[r.utt_id]), r.utt_id)
@@ -159,10 +89,10 @@ def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(par
     from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
-    rows = _rows(fixtures_dir)[:3]
+    rows = fixture_rows(fixtures_dir)[:3]
     reqs = [(r.utt_id, r, False) for r in rows]
     profile = load_profile("default", FP32)
-    a, _ = _drain(fast_pipeline(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
+    a, _ = drain(fast_pipeline(models, frontend, profile, torch.device("cpu")), reqs, force_tokens=30)
     batched = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     batched.prompts.on_device = True  # what a torch frontend on CUDA selects
     calls, polls = [], []
@@ -181,7 +111,7 @@ def test_prompt_features_batched_on_the_scheduler_thread_give_the_same_audio(par
 
     frontend.launch_features = lambda prompts: calls.append(len(prompts)) or Late(real(prompts))
     try:
-        b, ends = _drain(batched, reqs, force_tokens=30, together=True)
+        b, ends = drain(batched, reqs, force_tokens=30, together=True)
     finally:
         frontend.launch_features = real
     assert calls == [3] and all(e.kind == "done" for e in ends.values())  # one batch of all three
@@ -197,7 +127,7 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
     from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
-    rows = _rows(fixtures_dir)[:3]
+    rows = fixture_rows(fixtures_dir)[:3]
     bad = rows[1].prompt_wav
     pipe = fast_pipeline(models, frontend, load_profile("default", FP32), torch.device("cpu"))
     pipe.prompts.on_device = True
@@ -212,7 +142,7 @@ def test_a_failed_frontend_batch_is_retried_prompt_by_prompt(parts, fixtures_dir
 
     frontend.launch_features = launch  # features() launches through it too
     try:
-        _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows], force_tokens=30, together=True)
+        _, ends = drain(pipe, [(r.utt_id, r, False) for r in rows], force_tokens=30, together=True)
     finally:
         frontend.launch_features = real_launch
     kinds = {k: e.kind for k, e in ends.items()}
@@ -297,8 +227,8 @@ def test_slices_that_capture_a_graph_are_counted_apart_and_teach_the_cost_model_
     costs.observe_flow_step = lambda tokens, ms: learned["flow"].append(ms) or flow_obs(tokens, ms)
     pipe.codec.hift, pipe.codec.flow = Capturing(pipe.codec.hift), Capturing(pipe.codec.flow)
     try:
-        for row in _rows(fixtures_dir)[:2]:  # one after the other: two HiFT batches, two solves
-            _, ends = _drain(pipe, [(row.utt_id, row, False)], force_tokens=20)
+        for row in fixture_rows(fixtures_dir)[:2]:  # one after the other: two HiFT batches, two solves
+            _, ends = drain(pipe, [(row.utt_id, row, False)], force_tokens=20)
             assert ends[row.utt_id].kind == "done"
         ms = pipe.acct.ms
         for kind in ("hift", "flow"):

@@ -5,16 +5,7 @@ import pytest
 import torch
 
 from parity import assert_wave_close
-from test_serving import FP32, _drain, _rows
-
-
-@pytest.fixture(scope="module")
-def parts(model_dir):
-    from cosybatch.checkpoint import load_models
-    from cosybatch.frontend.frontend import Frontend
-
-    models = load_models(model_dir)
-    return models, Frontend(model_dir, models.cfg)
+from helpers import FP32, drain, fixture_rows
 
 
 def _pipe(parts, *extra):
@@ -45,15 +36,15 @@ def _fail_once(obj, name, exc, min_jobs=0):
 def test_failed_packed_codec_call_is_retried_exactly(parts, fixtures_dir, mode, stage):
     """An out-of-memory packed HiFT call or flow solve is retried on halves: every row still
     completes, with the same audio."""
-    rows = _rows(fixtures_dir)[:4]
+    rows = fixture_rows(fixtures_dir)[:4]
     reqs = [(r.utt_id, r, mode == "streaming") for r in rows]
     # Rows admitted together with equal forced lengths reach the codec together: packed calls.
-    clean, _ = _drain(_pipe(parts, f"mode={mode}"), reqs, force_tokens=40, together=True)
+    clean, _ = drain(_pipe(parts, f"mode={mode}"), reqs, force_tokens=40, together=True)
     pipe = _pipe(parts, f"mode={mode}")
     target = pipe.codec.hift if stage == "hift" else pipe.codec.flow
     name = "run" if stage == "hift" else "start"
     state = _fail_once(target, name, torch.OutOfMemoryError("CUDA out of memory (injected)"), min_jobs=2)
-    got, ends = _drain(pipe, reqs, force_tokens=40, together=True)
+    got, ends = drain(pipe, reqs, force_tokens=40, together=True)
     assert not state["armed"], "the fault was never injected into a packed call"
     assert all(e.kind == "done" for e in ends.values())
     assert pipe.codec.limits.max_jobs < 4 or stage == "hift"  # out of memory shrinks later solves
@@ -68,7 +59,7 @@ def test_failed_packed_codec_call_is_retried_exactly(parts, fixtures_dir, mode, 
 
 
 def test_a_row_whose_flow_always_fails_fails_alone(parts, fixtures_dir):
-    rows = _rows(fixtures_dir)[:3]
+    rows = fixture_rows(fixtures_dir)[:3]
     pipe = _pipe(parts)
     real = pipe.codec.flow.start
 
@@ -78,7 +69,7 @@ def test_a_row_whose_flow_always_fails_fails_alone(parts, fixtures_dir):
         return real(jobs)
 
     pipe.codec.flow.start = start
-    chunks, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows])
+    chunks, ends = drain(pipe, [(r.utt_id, r, False) for r in rows])
     assert ends["utt2"].kind == "error" and "injected flow fault" in ends["utt2"].error
     assert ends["utt1"].kind == "done" and ends["utt3"].kind == "done"
     assert not pipe.has_work() and not pipe.engine.seqs
@@ -86,7 +77,7 @@ def test_a_row_whose_flow_always_fails_fails_alone(parts, fixtures_dir):
 
 
 def test_non_finite_audio_fails_the_row_alone(parts, fixtures_dir):
-    rows = _rows(fixtures_dir)[:2]
+    rows = fixture_rows(fixtures_dir)[:2]
     pipe = _pipe(parts)
     real = pipe.codec.hift.run
 
@@ -95,13 +86,13 @@ def test_non_finite_audio_fails_the_row_alone(parts, fixtures_dir):
         return [torch.full_like(o, float("nan")) if j.segment_id.startswith("utt1#") else o for j, o in zip(jobs, outs)]
 
     pipe.codec.hift.run = run
-    _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows])
+    _, ends = drain(pipe, [(r.utt_id, r, False) for r in rows])
     assert ends["utt1"].kind == "error" and "non-finite audio" in ends["utt1"].error
     assert ends["utt2"].kind == "done"
 
 
 def test_engine_failure_fails_decoding_rows_and_frees_them(parts, fixtures_dir):
-    rows = _rows(fixtures_dir)
+    rows = fixture_rows(fixtures_dir)
     pipe = _pipe(parts)
     real = pipe.engine.launch
     state = {"armed": True}
@@ -113,18 +104,18 @@ def test_engine_failure_fails_decoding_rows_and_frees_them(parts, fixtures_dir):
         return real()
 
     pipe.engine.launch = launch
-    _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows[:2]])
+    _, ends = drain(pipe, [(r.utt_id, r, False) for r in rows[:2]])
     assert not state["armed"]
     assert all(e.kind == "error" and "injected engine fault" in e.error for e in ends.values())
     assert not pipe.engine.has_unfinished() and not pipe.engine.seqs
-    chunks, ends = _drain(pipe, [("again", rows[2], False)])
+    chunks, ends = drain(pipe, [("again", rows[2], False)])
     assert ends["again"].kind == "done"
 
 
 def test_row_too_big_to_prefill_fails_alone(parts, fixtures_dir):
     """Out of memory in prefills: the engine backs off, and the row that cannot be prefilled even
     alone fails by itself; the others finish."""
-    rows = _rows(fixtures_dir)
+    rows = fixture_rows(fixtures_dir)
     pipe = _pipe(parts)
     real = pipe.engine.runner.prefill_launch
     doomed = rows[0].utt_id
@@ -135,7 +126,7 @@ def test_row_too_big_to_prefill_fails_alone(parts, fixtures_dir):
         return real(seqs)
 
     pipe.engine.runner.prefill_launch = prefill_launch
-    _, ends = _drain(pipe, [(r.utt_id, r, False) for r in rows[:3]])
+    _, ends = drain(pipe, [(r.utt_id, r, False) for r in rows[:3]])
     assert ends[doomed].kind == "error" and "out of GPU memory" in ends[doomed].error
     assert all(ends[r.utt_id].kind == "done" for r in rows[1:3])
     assert not pipe.engine.has_unfinished() and not pipe.engine.seqs
@@ -143,12 +134,12 @@ def test_row_too_big_to_prefill_fails_alone(parts, fixtures_dir):
 
 def test_row_seed_does_not_depend_on_position(parts, fixtures_dir):
     """Stochastic sampling: a row's tokens depend on its utt_id, not on its request id or order."""
-    rows = _rows(fixtures_dir)[:3]
+    rows = fixture_rows(fixtures_dir)[:3]
     std = ["sampling.mode=standard", "sampling.temperature=1.0", "sampling.top_k=50", "sampling.top_p=0.95",
            "sampling.repetition_penalty=1.1"]
     std.append("sampling.max_tokens=60")  # random weights rarely stop: keep the rows short
-    a, _ = _drain(_pipe(parts, *std), [(f"x{i}", r, False) for i, r in enumerate(rows)])
-    b, _ = _drain(_pipe(parts, *std), [(f"y{i}", r, False) for i, r in enumerate(reversed(rows))])
+    a, _ = drain(_pipe(parts, *std), [(f"x{i}", r, False) for i, r in enumerate(rows)])
+    b, _ = drain(_pipe(parts, *std), [(f"y{i}", r, False) for i, r in enumerate(reversed(rows))])
     for i, r in enumerate(rows):
         wa = np.concatenate(a[f"x{i}"])
         wb = np.concatenate(b[f"y{len(rows) - 1 - i}"])

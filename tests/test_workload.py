@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from cosybatch.bench.closed_loop import workload
+from cosybatch.bench import workload
 from cosybatch.manifest import read_manifest
 from cosybatch.scheduler.protocol import CHARS_PER_SECOND, force_tokens
 

@@ -1,6 +1,7 @@
 """Codec settings: what the packed flow and the batched HiFT receive, resolved from a profile.
 
-Nothing in ``cosybatch.codec`` reads a profile; ``cosybatch.profiles.resolve`` builds this.
+Nothing in ``cosybatch.codec`` reads a profile; ``cosybatch.profiles.resolve`` builds this. No field
+has a default: each setting's default and meaning are declared once, in ``cosybatch.profiles.schema``.
 """
 
 from __future__ import annotations
@@ -14,23 +15,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    max_num_seqs: int = 16  # rows (hops or whole responses) per packed flow / HiFT call
-    flow_dtype: "torch.dtype | None" = None  # None: the flow module's own dtype
-    attention: str = "auto"  # auto | sdpa | varlen | flash (see codec/attention.py)
-    prefix_budget_bytes: int = 0  # 0: streaming hops recompute their prefix (no K/V reuse)
-    chunk_causal_final: bool = False  # opt-in, not exact (design.md D4)
-    flow_compile: bool = False
-    flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
-    flow_graph_capacity: int = 256
-    hift_graphs: bool = False
-    hift_graph_capacity: int = 32
-    hift_graph_counters: int = 128
-    hift_graph_capture_after: int = 3
-    hift_graph_precapture: tuple[tuple[int, ...], ...] = ()
-    hift_frame_bucket: int | None = None  # HiftRunner(frame_bucket=...); None: its default
+    max_num_seqs: int  # rows (hops or whole responses) per packed flow / HiFT call
+    flow_dtype: "torch.dtype | None"  # None: the flow module's own dtype
+    attention: str  # auto | sdpa | varlen | flash (see codec/attention.py)
+    prefix_budget_bytes: int  # 0: streaming hops recompute their prefix (no K/V reuse)
+    chunk_causal_final: bool  # opt-in, not exact (design.md D4)
+    flow_compile: bool
+    flow_graphs: bool  # replay one captured Euler step per layout bucket (CUDA)
+    flow_graph_capacity: int
+    hift_graphs: bool
+    hift_graph_capacity: int
+    hift_graph_counters: int
+    hift_graph_capture_after: int
+    hift_graph_precapture: tuple[tuple[int, ...], ...]
+    hift_frame_bucket: int | None  # HiftRunner(frame_bucket=...); None: its default
     # The codec's Triton kernels (CUDA): HiFT's resblock Snake + pad + conv biases + residual,
     # the flow's rotary and position convs (profile key optimizations.triton_kernels)
-    triton_kernels: bool = False
+    triton_kernels: bool
 
     def hift_graph_options(self) -> dict | None:
         """``HiftRunner(graphs=...)``: None for eager decode."""

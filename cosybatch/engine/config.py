@@ -1,7 +1,7 @@
 """Engine settings: admission, KV-cache size, precision, kernels and CUDA graphs.
 
 Everything the scheduler and runner need arrives in one frozen object (built from a profile by
-``EngineConfig.from_mapping``); nothing in the engine reads globals.
+``cosybatch.profiles.resolve.engine_config``); nothing in the engine reads globals.
 """
 
 from __future__ import annotations
@@ -13,33 +13,23 @@ import torch
 
 from cosybatch.models.config import resolve_dtype
 
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    # admission: at most this many sequences decode together (the profile's AR concurrency)
-    max_num_seqs: int = 64
-    # prompt + generated tokens of one sequence; longer requests are refused at add_request
-    max_model_len: int = 4096
-    # paged KV cache: tokens per block and how many blocks (None: from kv_cache_gb, else enough
-    # for max_num_seqs sequences of max_model_len tokens)
-    kv_block_size: int = 64
+    # The settings a profile chooses (``cosybatch.profiles.schema.ARProfile`` declares each
+    # one's default and meaning; ``cosybatch.profiles.resolve.engine_config`` builds this).
+    max_num_seqs: int
+    max_model_len: int
+    kv_block_size: int
+    kv_cache_gb: float | None
+    max_prefill_tokens: int
+    dtype: str
+    executor: str
+    linear: str
+    cuda_graphs: bool
+    graph_batch_sizes: tuple[int, ...]
+    # Engine-only knobs (benchmarks and tests set them; no profile does):
+    # paged KV blocks (None: from kv_cache_gb, else enough for max_num_seqs rows of max_model_len)
     num_kv_blocks: int | None = None
-    kv_cache_gb: float | None = None
-    # packed prompt tokens per prefill forward (at least one whole prompt always goes through)
-    max_prefill_tokens: int = 16384
-    # "auto": float32 on CPU (parity), bfloat16 on CUDA
-    dtype: str = "auto"
-    # "auto": "triton" on CUDA when importable, else "torch".
-    #   torch : per-sequence eager forward through the model's own layer pieces (parity path);
-    #   triton: packed prefill + paged attention + fixed-tile matmuls (batch invariant, graphable).
-    executor: str = "auto"
-    # linears inside the triton executor: "triton" (fixed tiles, batch invariant) or "torch"
-    # (cuBLAS: faster at some sizes, but a row's bits may depend on the batch size)
-    linear: str = "triton"
-    cuda_graphs: bool = True
-    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     # prefills of at most this many packed tokens replay a graph per token bucket (0: eager)
     prefill_graph_tokens: int = 4096
     # official CosyVoice3LM.inference ratios (not in the yaml)

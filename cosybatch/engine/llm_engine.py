@@ -1,6 +1,6 @@
 """The in-process AR engine: add requests, step, stream tokens out.
 
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64))
+    engine = LLMEngine(lm, engine_config(max_num_seqs=64))  # cosybatch.profiles.resolve
     rid = engine.add_request(text_ids, prompt_text_ids, prompt_speech, SamplingParams.ras(cfg, seed=7),
                              on_tokens=callback)
     while engine.has_unfinished():
@@ -43,8 +43,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, lm: CosyVoice3LM, config: EngineConfig | None = None):
-        self.cfg = config or EngineConfig()
+    def __init__(self, lm: CosyVoice3LM, config: EngineConfig):
+        self.cfg = config
         self.lm = lm.eval()
         self.llm_cfg = lm.cfg
         self.runner = ModelRunner(self.lm, self.cfg)

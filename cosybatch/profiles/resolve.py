@@ -17,7 +17,7 @@ from cosybatch.codec.config import CodecConfig
 from cosybatch.models.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
-from cosybatch.profiles.schema import FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile
+from cosybatch.profiles.schema import ARProfile, FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile
 from cosybatch.gpu.runtime import ProcessSettings, triton_available
 from cosybatch.scheduler.settings import FrontendSettings, RunSettings, SliceSettings
 
@@ -64,17 +64,17 @@ def resolve_hops(h: HopsProfile, chunk_size: int) -> tuple[int, int, int]:
     return first, mx, h.scale
 
 
+def engine_config(ar: ARProfile | None = None, **overrides) -> EngineConfig:
+    """The engine's config from the profile's ``ar`` section (default: the schema's defaults), with
+    ``overrides`` (engine-only knobs too) on top: the one place an ``EngineConfig`` is made."""
+    fields = {f.name: getattr(ar or ARProfile(), f.name) for f in dataclasses.fields(ARProfile)}
+    return EngineConfig.from_mapping({**fields, **overrides})
+
+
 def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     """The fast engine's settings for ``profile`` on ``device`` (a torch.device)."""
     cuda = device.type == "cuda"
-    ar = {f.name: getattr(profile.ar, f.name) for f in dataclasses.fields(profile.ar)}
-    ar["cuda_graphs"] = ar["cuda_graphs"] and cuda
     c, o = profile.codec, profile.optimizations
-    if c.hift_dtype not in ("float32", "auto"):
-        raise ProfileError(f"codec.hift_dtype: HiFT runs in float32 (F0 in float64); {c.hift_dtype} is not implemented")
-    if not o.cached_istft:
-        log.warning("optimizations.cached_istft=false: the packed HiFT runner always uses the cached "
-                    "ISTFT (bit-equal to torch.istft)")
     flow_dtype = resolve_dtype(c.flow_dtype, device)
     try:  # before any model work, as a profile error
         check_dtype(c.attention, flow_dtype)
@@ -95,7 +95,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
     process = ProcessSettings(intra_op_threads=1 if cuda and c.frontend_workers > 1 else None,
                               cudnn_tf32=c.hift_tf32 if cuda else None)
-    return RunSettings(engine=EngineConfig.from_mapping(ar), codec=codec, process=process,
+    return RunSettings(engine=engine_config(profile.ar, cuda_graphs=profile.ar.cuda_graphs and cuda), codec=codec, process=process,
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
                        frontend_workers=c.frontend_workers, frontend=resolve_frontend(profile.frontend, device),

@@ -26,14 +26,24 @@ class ProfileError(ValueError):
 class ARProfile:
     """The speech-LM engine (field names match ``cosybatch.engine.config.EngineConfig``)."""
 
+    # admission: at most this many sequences decode together (the AR concurrency)
     max_num_seqs: int = 64
+    # prompt + generated tokens of one sequence; longer requests are refused when added
     max_model_len: int = 4096
+    # paged KV cache: tokens per block, and its size (None: enough for max_num_seqs rows of max_model_len)
     kv_block_size: int = 64
-    kv_cache_gb: float | None = None  # None: enough for max_num_seqs rows of max_model_len
+    kv_cache_gb: float | None = None
+    # packed prompt tokens per prefill forward (at least one whole prompt always goes through)
     max_prefill_tokens: int = 16384
     dtype: Dtype = "float32"
+    # auto: triton on CUDA when importable, else torch. torch: per-sequence eager forward through
+    # the model's own layers (the parity path); triton: packed prefill, paged attention and
+    # fixed-tile matmuls (batch invariant, graphable)
     executor: Literal["auto", "torch", "triton"] = "auto"
+    # linears inside the triton executor: triton (fixed tiles, batch invariant) or torch (cuBLAS:
+    # faster at some sizes, but a row's bits may depend on the batch size)
     linear: Literal["triton", "torch"] = "triton"
+    # decode steps replayed from CUDA graphs, one per batch size below (CUDA only)
     cuda_graphs: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -42,7 +52,6 @@ class ARProfile:
 class CodecProfile:
     max_num_seqs: int = 16
     flow_dtype: Dtype = "float32"
-    hift_dtype: Dtype = "float32"
     # TF32 tensor cores for HiFT's float32 convolutions (cuDNN): ~2x faster, ~1e-4 from float32.
     # PyTorch enables it for cuDNN by default; cosybatch sets it explicitly either way.
     hift_tf32: bool = False
@@ -103,7 +112,6 @@ class HopsProfile:
 
 @dataclass(frozen=True)
 class Optimizations:
-    cached_istft: bool = False
     hift_graphs: bool = False
     hift_graph_capacity: int = 32
     hift_graph_counters: int = 128
@@ -347,9 +355,6 @@ def cross_check(p: Profile, who: str) -> None:
             raise ProfileError(f"{who}: engine=reference runs the exact one-request path and does not use "
                                f"{', '.join(at(k) for k in changed)}; unset it or use engine=fast")
     o = p.optimizations
-    if o.hift_graphs and not o.cached_istft:
-        raise ProfileError(f"{who}: {at('optimizations.hift_graphs')} requires optimizations.cached_istft=true "
-                           "(a graphed decode cannot contain the ISTFT's device-to-host sync); set it explicitly")
     if o.hift_graph_precapture and not o.hift_graphs:
         raise ProfileError(f"{who}: optimizations.hift_graph_precapture needs optimizations.hift_graphs=true, "
                            f"got {at('optimizations.hift_graphs')}")

@@ -1,0 +1,119 @@
+"""Helpers several test modules share: the fixture rows, draining a pipeline, the official outputs,
+running the AR engine alone and together, and a CUDA-graph stand-in."""
+
+import json
+
+from conftest import ROWS, load_ref
+from cosybatch.engine import LLMEngine
+
+# The fast path in float32 (parity with the fixtures) with no CUDA graphs
+FP32 = ["ar.dtype=float32", "codec.flow_dtype=float32", "ar.cuda_graphs=false"]
+
+
+def fixture_rows(fixtures_dir):
+    from cosybatch.manifest import ManifestRow
+
+    rows = []
+    for line in (fixtures_dir / "prompts" / "meta.lst").read_text().strip().splitlines():
+        utt, pt, wav, tt = line.split("|")
+        rows.append(ManifestRow(utt, pt, fixtures_dir / "prompts" / wav, tt))
+    return rows
+
+
+class Together:
+    """Steps a pipeline only once every request's prompt work is done, so all rows are admitted
+    (and prefilled) in the same step: packed calls then hold several rows, deterministically."""
+
+    def __init__(self, pipe):
+        self.pipe, self.sample_rate = pipe, pipe.sample_rate
+
+    def add_request(self, req):
+        self.pipe.add_request(req)
+
+    def has_work(self):
+        return self.pipe.has_work()
+
+    def step(self):
+        for _, fut in list(self.pipe.prompts.preparing.values()):
+            fut.exception()  # waits
+        return self.pipe.step()
+
+
+def drain(pipe, requests, force_tokens=None, together=False):
+    """Run (request id, row, stream) requests to the end through the shared driver loop:
+    (chunks per id, the final Event per id)."""
+    from cosybatch.scheduler.protocol import Event, SynthRequest, drive
+
+    reqs = [SynthRequest(rid, row, stream, force_tokens) for rid, row, stream in requests]
+    chunks, ends = {}, {}
+    for f in drive(Together(pipe) if together else pipe, reqs, max(1, len(reqs))):
+        rid = f.request.request_id
+        chunks[rid] = [a for _, a in f.chunks]
+        ends[rid] = Event(rid, "error" if f.error else "done", error=f.error, tokens=f.tokens)
+    return chunks, ends
+
+
+def official(reference_dir, stream: bool) -> tuple[dict, dict]:
+    """The official implementation's (flow tokens per (utt, segment), waveform per chunk per utt)."""
+    toks, waves = {}, {}
+    for row in ROWS:
+        ref = load_ref(reference_dir, row)
+        meta = json.loads((reference_dir / f"{row}.json").read_text())
+        if stream:
+            names = [f"stream.seg{c['segment']}.chunk{c['chunk']}" for c in meta["stream_chunks"]]
+        else:
+            names = [f"nonstream.seg{s}" for s in range(len(meta["segments"]))]
+        waves[row] = [ref[f"{n}.wav"][0].numpy() for n in names]
+        mode = "stream" if stream else "nonstream"
+        for s in range(len(meta["segments"])):
+            toks[(row, s)] = ref[f"{mode}.seg{s}.speech_token"].tolist()  # the flow's input
+    return toks, waves
+
+
+def run_together(eng: LLMEngine, reqs: list[dict], order: list[int]) -> list[list[int]]:
+    ids = {i: eng.add_request(**reqs[i], request_id=f"r{i}") for i in order}
+    eng.run()
+    return [eng.seqs[ids[i]].tokens for i in range(len(reqs))]
+
+
+def run_alone(eng: LLMEngine, reqs: list[dict]) -> list[list[int]]:
+    out = []
+    for i, r in enumerate(reqs):
+        rid = eng.add_request(**r, request_id=f"a{i}")
+        eng.run()
+        out.append(eng.seqs[rid].tokens)
+    return out
+
+
+class FakeCaptured:
+    """Like a CUDA graph: replay recomputes into the same output buffer."""
+
+    def __init__(self, fn, inputs):
+        self.fn = fn
+        self.static_inputs = [x.clone() for x in inputs]
+        out = fn(*self.static_inputs)  # the warm-up call, eager, like CudaGraphBackend's
+        self.static_output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        self.warm_output = out
+        self.replays = 0
+
+    def replay(self):
+        out = self.fn(*self.static_inputs)
+        for dst, src in zip(*((self.static_output, out) if isinstance(out, tuple) else ((self.static_output,), (out,)))):
+            dst.copy_(src)
+        self.replays += 1
+
+
+class FakeBackend:
+    def __init__(self, fail_if=None):
+        self.fail_if = fail_if or (lambda inputs: False)
+        self.captures = 0
+        self.released = 0
+
+    def capture(self, fn, inputs):
+        if self.fail_if(inputs):
+            raise RuntimeError("injected capture failure")
+        self.captures += 1
+        return FakeCaptured(fn, inputs)
+
+    def release(self, captured):
+        self.released += 1
