@@ -124,7 +124,7 @@ def test_replay_returns_owned_tensor():
     third = cache(x_of(4, 3))
     assert torch.equal(first, x_of(4, 2)) and torch.equal(second, x_of(4, 4))
     assert torch.equal(third, x_of(4, 6))
-    captured = next(iter(cache._graphs.values()))
+    captured = next(iter(cache.slots.values()))
     assert third.data_ptr() != captured.static_output.data_ptr()
 
 

@@ -2,17 +2,17 @@
 
 An entry owns a bucket's step buffers (the graph's static inputs, allocated outside the graph
 pool) and, once captured, the graph of one Euler step over them. A solve fills the buffers,
-then replays the step once per Euler step. Entries are evicted least recently used at
-``capacity``; a capture that fails (out of memory, an op that cannot be captured) disables
-that bucket, logs once and leaves its solves to run the same step eagerly on the same
-buffers, so a request never fails because of a graph. The capture mechanism is injectable
+then replays the step once per Euler step. Entries live in a ``GraphSlots`` cache (the one the
+HiFT and frontend graph caches use too): evicted least recently used at ``capacity``; a capture
+that fails (out of memory, an op that cannot be captured) disables that bucket, logs once and
+leaves its solves to run the same step eagerly on the same buffers, so a request never fails
+because of a graph. The capture mechanism is injectable
 (``capture``), so the pool logic is tested on the CPU with the class the runner uses.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -20,7 +20,7 @@ import torch
 
 from cosybatch.codec.flow_step import StepBuffers
 from cosybatch.gpu.cuda_graphs import GraphPool
-from cosybatch.gpu.graph_cache import stats_dict
+from cosybatch.gpu.graph_cache import GraphSlots, stats_dict
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ class FlowGraphStats:
 @dataclass
 class _Entry:
     buffers: StepBuffers
-    replay: Callable[[], None] | None = None
-    disabled: bool = False
+    replay: Callable[[], None] | None = None  # dropped with the entry when evicted (its pool memory stays shared)
     nbytes: int = 0
 
 
@@ -71,39 +70,40 @@ class CudaCapture(GraphPool):
 
 
 class FlowGraphs:
+    """Step buffers and graphs per layout bucket, on the ``GraphSlots`` cache every graph cache
+    shares: a bucket's slot holds its buffers and, once captured (at first sight, D16), its graph."""
+
     def __init__(self, step: StepFn, capacity: int = 32, capture: Capture | None = None, enabled: bool = True):
         if capacity < 1:
             raise ValueError("flow graph capacity must be >= 1")
         self.step_fn = step
-        self.capacity = capacity
         self.capture = capture if capture is not None else CudaCapture()
         self.enabled = enabled
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self.slots = GraphSlots(capacity, max_counters=max(capacity, 128), name="flow")
         self._seen: set = set()
         self.stats = FlowGraphStats()
 
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
     def entry(self, key: Hashable, make: Callable[[], StepBuffers]) -> _Entry:
         """The bucket's entry (buffers reused from solve to solve), made on first use."""
-        e = self._entries.get(key)
+        e = self.slots.get(key)
         if e is not None:
-            self._entries.move_to_end(key)
             return e
-        while len(self._entries) >= self.capacity:
-            self._evict(next(iter(self._entries)))
         self._seen.add(key)
-        self.stats.keys = len(self._seen)
         buffers = make()
         e = _Entry(buffers, nbytes=_nbytes(buffers))
-        self._entries[key] = e
-        self.stats.entries = len(self._entries)
-        self.stats.buffer_bytes += e.nbytes
+        self.slots.add(key, e, static_bytes=e.nbytes)
+        self._sync()
         return e
 
     def run_step(self, key: Hashable, e: _Entry) -> None:
         """One Euler step over ``e.buffers``: replayed, captured now, or eager."""
         st = self.stats
         st.steps += 1
-        if e.replay is None and self.enabled and not e.disabled:
+        if e.replay is None and self.enabled and not self.slots.disabled(key):
             self._capture(key, e)
         if e.replay is not None:
             st.replays += 1
@@ -113,8 +113,8 @@ class FlowGraphs:
         self.step_fn(e.buffers)
 
     def clear(self) -> None:
-        for key in list(self._entries):
-            self._evict(key)
+        self.slots.clear()
+        self._sync()
 
     def _capture(self, key: Hashable, e: _Entry) -> None:
         b = e.buffers
@@ -125,25 +125,20 @@ class FlowGraphs:
         try:
             e.replay = self.capture(lambda: self.step_fn(b))
         except Exception as exc:
-            e.disabled = True
-            self.stats.failures += 1
-            self.stats.failed_keys = (self.stats.failed_keys + [key])[-8:]
-            log.warning("flow: CUDA graph capture failed for bucket %s; that bucket runs eager (%s: %s)",
-                        key, type(exc).__name__, exc)
+            self.slots.disable(key, exc, f"bucket {key}")
         finally:
             b.x.copy_(x)
             b.step.copy_(step)
         if e.replay is not None:
             self.stats.captures += 1
             if b.x.is_cuda:
-                self.stats.pool_bytes += max(0, torch.cuda.memory_reserved() - before)
+                self.slots.add_pool_bytes(key, max(0, torch.cuda.memory_reserved() - before))
+        self._sync()
 
-    def _evict(self, key: Hashable) -> None:
-        e = self._entries.pop(key)
-        self.stats.evictions += 1
-        self.stats.entries = len(self._entries)
-        self.stats.buffer_bytes -= e.nbytes
-        e.replay = None  # drops the graph (its pool memory stays shared with the others)
+    def _sync(self) -> None:
+        s, st = self.slots, self.stats
+        st.entries, st.keys, st.evictions, st.failures = len(s), len(self._seen), s.evictions, s.failures
+        st.buffer_bytes, st.pool_bytes, st.failed_keys = s.static_bytes, s.pool_bytes, s.failed_keys
 
 
 def _nbytes(b: StepBuffers) -> int:

@@ -145,9 +145,124 @@ def stats_dict(stats) -> dict:
     return d
 
 
+class GraphSlots:
+    """The bounded cache behind every graph cache of the codec and the frontend.
+
+    At most ``capacity`` keys hold a slot (a captured graph, or a bucket's buffers and its
+    graph), the least recently used evicted first, so a key that becomes hot late still gets
+    one. Keys without a slot yet are counted, with the counters bounded the same way. A key
+    whose capture failed is disabled: logged once, it runs eager from then on, and the
+    disabled set is bounded too. Each slot's static bytes and pool growth are summed, so the
+    memory the graphs hold is reported. ``on_evict(value)`` releases what a slot held.
+    """
+
+    def __init__(self, capacity: int, max_counters: int, name: str,
+                 on_evict: Callable[[object], None] | None = None) -> None:
+        if capacity < 1 or max_counters < 1:
+            raise ValueError("capacity and max_counters must be >= 1")
+        self.capacity, self.max_counters, self.name = capacity, max_counters, name
+        self.on_evict = on_evict
+        self._slots: OrderedDict[Hashable, tuple[object, int, int]] = OrderedDict()
+        self._counters: OrderedDict[Hashable, int] = OrderedDict()
+        self._disabled: OrderedDict[Hashable, str] = OrderedDict()
+        self.evictions = 0
+        self.failures = 0
+        self.static_bytes = 0
+        self.pool_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slots
+
+    def values(self) -> list:
+        return [v for v, _, _ in self._slots.values()]
+
+    def get(self, key: Hashable):
+        """The key's slot value (now the most recently used), or None."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        self._slots.move_to_end(key)
+        return slot[0]
+
+    def count_use(self, key: Hashable) -> int:
+        """Uses of a key without a slot, this one included (the counter is dropped when it
+        reaches the caller's threshold: the caller then adds a slot or disables the key)."""
+        uses = self._counters.pop(key, 0) + 1
+        self._counters[key] = uses
+        while len(self._counters) > self.max_counters:
+            self._counters.popitem(last=False)
+        return uses
+
+    def forget_uses(self, key: Hashable) -> None:
+        self._counters.pop(key, None)
+
+    def disabled(self, key: Hashable) -> bool:
+        return key in self._disabled
+
+    def disable(self, key: Hashable, exc: BaseException, what: str) -> None:
+        """A capture of ``key`` failed: it runs eager from now on (logged once)."""
+        self.failures += 1
+        self._counters.pop(key, None)
+        self._disabled[key] = f"{type(exc).__name__}: {exc}"
+        while len(self._disabled) > self.max_counters:
+            self._disabled.popitem(last=False)
+        log.warning("%s: CUDA graph capture failed for %s; %s runs eager (%s: %s)",
+                    self.name, what, what, type(exc).__name__, exc)
+
+    @property
+    def failed_keys(self) -> list:
+        return list(self._disabled)[-8:]
+
+    @property
+    def counters(self) -> int:
+        return len(self._counters)
+
+    @property
+    def disabled_count(self) -> int:
+        return len(self._disabled)
+
+    def make_room(self) -> None:
+        """Evict least recently used slots until one more fits."""
+        while len(self._slots) >= self.capacity:
+            self.evict(next(iter(self._slots)))
+
+    def add(self, key: Hashable, value, static_bytes: int = 0, pool_bytes: int = 0) -> None:
+        self.make_room()
+        self._counters.pop(key, None)
+        self._slots[key] = (value, int(static_bytes), int(pool_bytes))
+        self.static_bytes += int(static_bytes)
+        self.pool_bytes += int(pool_bytes)
+
+    def add_pool_bytes(self, key: Hashable, pool_bytes: int) -> None:
+        """A slot's capture came after its slot (a flow bucket's buffers, then its graph)."""
+        value, static, pool = self._slots[key]
+        self._slots[key] = (value, static, pool + int(pool_bytes))
+        self.pool_bytes += int(pool_bytes)
+
+    def evict(self, key: Hashable) -> None:
+        value, static, pool = self._slots.pop(key)
+        self.evictions += 1
+        self.static_bytes -= static
+        self.pool_bytes -= pool
+        if self.on_evict is not None:
+            try:
+                self.on_evict(value)
+            except Exception as exc:  # pragma: no cover - releasing must not fail a request
+                log.warning("%s: releasing an evicted graph failed: %s", self.name, exc)
+
+    def clear(self) -> None:
+        for key in list(self._slots):
+            self.evict(key)
+        self._counters.clear()
+        self._disabled.clear()
+
+
 class GraphCache:
     """Graph-or-eager dispatch for ``fn(*tensors) -> tensor`` (or a tuple of tensors) keyed by
-    exact shapes.
+    exact shapes, on a ``GraphSlots`` cache.
 
     ``fn`` must be deterministic given its inputs' values and shapes, and must read no
     other changing tensor. ``capture_after``: capture on that use of a key (1 = first).
@@ -156,20 +271,19 @@ class GraphCache:
     def __init__(self, fn: Fn, *, capacity: int = 32, max_counters: int = 128,
                  capture_after: int = 3, backend: CaptureBackend | None = None,
                  enabled: bool = True, name: str = "graph") -> None:
-        if capacity < 1 or max_counters < 1 or capture_after < 1:
+        if capture_after < 1:
             raise ValueError("capacity, max_counters and capture_after must be >= 1")
         self.fn = fn
-        self.capacity = capacity
-        self.max_counters = max_counters
         self.capture_after = capture_after
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.enabled = enabled
         self.name = name
-        self._graphs: OrderedDict[Hashable, Captured] = OrderedDict()
-        self._counters: OrderedDict[Hashable, int] = OrderedDict()
-        self._disabled: OrderedDict[Hashable, str] = OrderedDict()
-        self._bytes: dict[Hashable, tuple[int, int]] = {}
+        self.slots = GraphSlots(capacity, max_counters, name, on_evict=self.backend.release)
         self.stats = GraphCacheStats()
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
 
     # ------------------------------------------------------------------ keys
     def key(self, inputs: Sequence[torch.Tensor], static: Hashable = ()) -> tuple:
@@ -177,7 +291,7 @@ class GraphCache:
         return (shapes, static, precision_flags())
 
     def has_graph(self, inputs: Sequence[torch.Tensor], static: Hashable = ()) -> bool:
-        return self.key(inputs, static) in self._graphs
+        return self.key(inputs, static) in self.slots
 
     # ------------------------------------------------------------------ dispatch
     def __call__(self, *inputs: torch.Tensor, static: Hashable = ()) -> torch.Tensor:
@@ -187,21 +301,14 @@ class GraphCache:
             st.eager += 1
             return self.fn(*inputs)
         key = self.key(inputs, static)
-        captured = self._graphs.get(key)
+        captured = self.slots.get(key)
         if captured is not None:
-            self._graphs.move_to_end(key)
             st.hits += 1
             return self._replay(captured, inputs)
-        if key not in self._disabled:
-            uses = self._counters.pop(key, 0) + 1
-            if uses >= self.capture_after:
-                out = self._capture(key, inputs)
-                if out is not None:
-                    return out
-            else:
-                self._counters[key] = uses
-                while len(self._counters) > self.max_counters:
-                    self._counters.popitem(last=False)
+        if not self.slots.disabled(key) and self.slots.count_use(key) >= self.capture_after:
+            out = self._capture(key, inputs)
+            if out is not None:
+                return out
         st.eager += 1
         self._sync_sizes()
         return self.fn(*inputs)
@@ -214,7 +321,7 @@ class GraphCache:
         made = 0
         for inputs in examples:
             key = self.key(inputs, static)
-            if key in self._graphs or key in self._disabled:
+            if key in self.slots or self.slots.disabled(key):
                 continue
             if self._capture(key, inputs, count_call=False) is not None:
                 self.stats.precaptures += 1
@@ -222,10 +329,7 @@ class GraphCache:
         return made
 
     def clear(self) -> None:
-        for key in list(self._graphs):
-            self._evict(key)
-        self._counters.clear()
-        self._disabled.clear()
+        self.slots.clear()
         self._sync_sizes()
 
     # ------------------------------------------------------------------ internals
@@ -235,42 +339,19 @@ class GraphCache:
         captured.replay()
         return _clone(captured.static_output)
 
-    def _evict(self, key: Hashable) -> None:
-        captured = self._graphs.pop(key)
-        reserved, static = self._bytes.pop(key, (0, 0))
-        self.stats.pool_reserved_bytes -= reserved
-        self.stats.static_bytes -= static
-        try:
-            self.backend.release(captured)
-        except Exception as exc:  # pragma: no cover - releasing must not fail a request
-            log.warning("%s: releasing an evicted graph failed: %s", self.name, exc)
-
     def _capture(self, key: Hashable, inputs: Sequence[torch.Tensor],
                  count_call: bool = True) -> torch.Tensor | None:
-        st = self.stats
-        while len(self._graphs) >= self.capacity:
-            self._evict(next(iter(self._graphs)))
-            st.evictions += 1
+        self.slots.make_room()
         try:
             captured = self.backend.capture(self.fn, inputs)
         except Exception as exc:
-            st.failures += 1
-            self._disabled[key] = f"{type(exc).__name__}: {exc}"
-            while len(self._disabled) > self.max_counters:
-                self._disabled.popitem(last=False)
-            st.failed_keys = list(self._disabled)[-8:]
-            log.warning("%s: CUDA graph capture failed for %s; key disabled, running eager (%s: %s)",
-                        self.name, _short(key), type(exc).__name__, exc)
+            self.slots.disable(key, exc, _short(key))
             self._sync_sizes()
             return None
-        self._graphs[key] = captured
         static = sum(t.numel() * t.element_size() for t in captured.static_inputs)
         static += sum(t.numel() * t.element_size() for t in _tensors(captured.static_output))
-        reserved = int(getattr(captured, "reserved_delta", 0))
-        self._bytes[key] = (reserved, static)
-        st.pool_reserved_bytes += reserved
-        st.static_bytes += static
-        st.captures += 1
+        self.slots.add(key, captured, static, int(getattr(captured, "reserved_delta", 0)))
+        self.stats.captures += 1
         self._sync_sizes()
         warm, captured.warm_output = getattr(captured, "warm_output", None), None
         if not count_call:
@@ -283,9 +364,10 @@ class GraphCache:
         return self._replay(captured, inputs)
 
     def _sync_sizes(self) -> None:
-        self.stats.graphs = len(self._graphs)
-        self.stats.counters = len(self._counters)
-        self.stats.disabled = len(self._disabled)
+        s, st = self.slots, self.stats
+        st.graphs, st.counters, st.disabled = len(s), s.counters, s.disabled_count
+        st.evictions, st.failures, st.failed_keys = s.evictions, s.failures, s.failed_keys
+        st.pool_reserved_bytes, st.static_bytes = s.pool_bytes, s.static_bytes
 
 
 def _tensors(out) -> tuple:
