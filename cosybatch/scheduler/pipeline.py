@@ -91,7 +91,8 @@ class FastPipeline:
                                ar_capacity=settings.engine.max_num_seqs,
                                max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
-                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
+                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s,
+                               deadline_lead_s=sl.deadline_lead_s, deadline_tokens=sl.deadline_tokens)
         with startup.phase("codec"):
             hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
                               max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
@@ -202,7 +203,8 @@ class FastPipeline:
         # An AR step is queued (launched now, or run ahead by the last collect): the codec's
         # slices then share the iteration with it and keep to the budget.
         ar = self.engine.in_flight
-        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows)
+        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows,
+                                     self._ar_deadline())
         self._bound_queue()
         if self.engine.in_flight:
             self._collect_ar()
@@ -364,6 +366,10 @@ class FastPipeline:
             return 2 * frames
         new = self._token_frames * (chunk.end - chunk.offset) + self._chunk_frames
         return 2 * min(frames, new)
+
+    def _ar_deadline(self) -> float:
+        """The earliest player deadline among rows the AR engine still decodes (policy.large_solves)."""
+        return min((r.deadline for r in self._rows.values() if not r.llm_done), default=policy.INF)
 
     def _deadline(self, row_id: str) -> float:
         row = self._rows.get(row_id)
