@@ -392,7 +392,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     """Measure a profile in a closed loop over MANIFEST (default: a generated EN1088-shaped workload)."""
     from rich.console import Console
 
-    from cosybatch.bench.closed_loop import workload
+    from cosybatch.bench import workload
     from cosybatch.bench.closed_loop import environment, result_table, run_closed_loop, select_rows, write_result
     from cosybatch.profiles import ProfileError, load_profile
     from cosybatch.scheduler.protocol import PipelineContractError, SynthRequest, force_tokens

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cosybatch.bench.closed_loop import workload
+from cosybatch.bench import workload
 from cosybatch.bench.closed_loop import run_closed_loop
 from cosybatch.cli import profile_command
 from cosybatch.scheduler.protocol import Event, PipelineContractError, StreamingPipeline, SynthRequest

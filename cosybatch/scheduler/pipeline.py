@@ -38,6 +38,8 @@ from cosybatch.scheduler.protocol import Event, SynthRequest
 from cosybatch.scheduler.startup import StartupClock
 from cosybatch.scheduler import policy
 from cosybatch.scheduler.accounting import Accounting
+from cosybatch.scheduler.budget import gpu_budget
+from cosybatch.scheduler.gpu_util import KernelActiveSampler
 from cosybatch.scheduler.codec_work import CodecWork, Hop
 from cosybatch.scheduler.costs import CostModel
 from cosybatch.scheduler.prompt_work import PromptWork
@@ -86,6 +88,8 @@ class FastPipeline:
         with startup.phase("AR engine"):
             self.engine = LLMEngine(models.llm, settings.engine)
         self.acct = Accounting(device)
+        self.util = KernelActiveSampler(device)  # what the slices cannot see: a GPU waiting inside them
+        self._audio_samples = 0  # audio handed out, for the GPU budget per audio second
         sl = settings.slices
         limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms, budget_max_ms=sl.budget_max_ms,
                                ar_capacity=settings.engine.max_num_seqs,
@@ -169,7 +173,12 @@ class FastPipeline:
         flow_ms = sum(out.get("slice_ms", {}).get(k, {}).get("total", 0.0) for k in ("flow_step", "flow_capture"))
         work = solve_flops(self.cfg.flow, d["flow_tokens"], d["flow_attn_pairs"])
         out["flow_tflops"] = float(f"{work / flow_ms / 1e9:.4g}") if flow_ms else None
+        util = self.util.summary()
+        out["gpu_kernel"] = util
+        out["gpu_budget"] = gpu_budget({k: v["total"] for k, v in out.get("slice_ms", {}).items()}, out["wall_s"],
+                                       d["audio_samples"] / self.sample_rate, util["kernel_active_share"])
         if reset:
+            self.util.reset()
             self.acct.reset()
             self._counter_base = now
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
@@ -193,7 +202,7 @@ class FastPipeline:
         return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
                 "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
                 "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
-                "prefill_graphed": pg.replays if pg is not None else 0}
+                "prefill_graphed": pg.replays if pg is not None else 0, "audio_samples": self._audio_samples}
 
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
@@ -238,6 +247,7 @@ class FastPipeline:
         """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
         let the frontend finish its disk-cache writes."""
         self.prompts.close()
+        self.util.close()
 
     # ------------------------------------------------------------------ admission
 
@@ -386,6 +396,7 @@ class FastPipeline:
                 continue
             self._events.append(Event(o.row_id, "chunk", audio=o.audio))
             if len(o.audio):
+                self._audio_samples += len(o.audio)
                 row.first_audio = row.first_audio or time.perf_counter()
                 row.audio_s += len(o.audio) / self.sample_rate
             if o.finalize:
