@@ -17,6 +17,7 @@ Rows are independent: an exception while preparing or running one row becomes th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import zlib
@@ -87,6 +88,7 @@ class FastPipeline:
         self.startup = startup = startup or StartupClock(device)
         with startup.phase("AR engine"):
             self.engine = LLMEngine(models.llm, settings.engine)
+        self._ar_stream = self._make_ar_stream(settings.ar_stream)
         self.acct = Accounting(device)
         self.util = KernelActiveSampler(device)  # what the slices cannot see: a GPU waiting inside them
         self._audio_samples = 0  # audio handed out, for the GPU budget per audio second
@@ -121,6 +123,26 @@ class FastPipeline:
         self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
+
+    def _make_ar_stream(self, mode: str):
+        """``scheduler.ar_stream=beside`` (design.md D22): the AR engine's work (prefill, decode,
+        sampling, row state, the tokens' copy and event) on a high-priority stream of its own,
+        so a decode step no longer queues behind the codec slices issued before it. Everything
+        the engine reads on the device is written by the engine itself on that stream (its
+        inputs come from the host), and the codec reads its tokens on the host, so no event is
+        needed between the two streams; the decode graphs were captured on a side stream and
+        replay on whichever stream is current, and they share a memory pool only with the
+        prefill graphs, which replay on the same stream. Serial elsewhere."""
+        if mode != "beside":
+            return None
+        if self.device.type != "cuda" or not self.engine.runner.graphs:
+            log.info("scheduler.ar_stream=beside needs CUDA and a graphed AR decode; the AR step runs serial")
+            return None
+        return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes
+
+    def _on_ar(self):
+        """Where the AR engine's kernels go: its own stream (beside), else the current one."""
+        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ protocol
 
@@ -289,8 +311,9 @@ class FastPipeline:
         P = row.prompt.speech_tokens.shape[0]
         row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
         try:
-            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
-                                    self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
+            with self._on_ar():
+                self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
+                                        self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
         except Exception as e:
             self._fail(row, e)
 
@@ -300,35 +323,48 @@ class FastPipeline:
         if self.engine.in_flight or not self.engine.has_unfinished():
             return False
         kind = "ar_prefill" if self.engine.scheduler.can_admit() else "ar_decode"
-        t = self.acct.start(kind)
-        try:
-            launched = self.engine.launch()
-        except RequestFailed as e:  # the engine dropped that one request and goes on
-            self.acct.cancel(t)
-            self._fail_request(e)
+        # on the AR stream, the accounting's events too (an AR slice is timed on its stream);
+        # a failure is handled after it, since failing rows releases codec state
+        with self._on_ar():
+            t = self.acct.start(kind)
+            try:
+                launched = self.engine.launch()
+                err = None
+            except Exception as e:
+                launched, err = False, e
+                if isinstance(e, RequestFailed):
+                    self.acct.cancel(t)
+                else:
+                    self.acct.end(t)
+            else:
+                self.acct.end(t)
+        if isinstance(err, RequestFailed):  # the engine dropped that one request and goes on
+            self._fail_request(err)
             return True
-        except Exception as e:  # anything else leaves the engine's rows unknown: fail them
-            self.acct.end(t)
-            self._engine_failed(e)
+        if err is not None:  # anything else leaves the engine's rows unknown: fail them
+            self._engine_failed(err)
             return True
-        self.acct.end(t)
         return launched
 
     def _collect_ar(self) -> None:
         # collect() may queue the next decode step at once (nothing finished, nobody to admit):
-        # that step is AR work on the timeline too, so it is accounted like a launched one.
-        t = self.acct.start("ar_decode")
-        try:
-            with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
-                outs = self.engine.collect()
-        except Exception as e:
-            self.acct.cancel(t)
-            self._engine_failed(e)
+        # that step is AR work on the timeline too, so it is accounted like a launched one. On
+        # the AR stream (beside): that step, and finished rows' state (unbind, move), written
+        # there in order before the next step reads it.
+        with self._on_ar():
+            t = self.acct.start("ar_decode")
+            try:
+                with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
+                    outs, err = self.engine.collect(), None
+            except Exception as e:
+                outs, err = [], e
+            if err is None and self.engine.in_flight:
+                self.acct.end(t)
+            else:
+                self.acct.cancel(t)
+        if err is not None:  # failing rows releases codec state: not on the AR stream
+            self._engine_failed(err)
             return
-        if self.engine.in_flight:
-            self.acct.end(t)
-        else:
-            self.acct.cancel(t)
         for out in outs:
             if out.finished:
                 self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
@@ -413,7 +449,8 @@ class FastPipeline:
         rid = row.req.request_id
         seg_id = _segment_id(rid, row.seg)
         try:
-            self.engine.abort(seg_id)
+            with self._on_ar():  # an abort frees the row's state with kernels: the AR stream's order
+                self.engine.abort(seg_id)
         except Exception:  # after an engine fault its bookkeeping may be gone; the row fails anyway
             log.debug("abort of %s failed", rid, exc_info=True)
         self.codec.drop_row(rid, seg_id)
