@@ -165,3 +165,31 @@ def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_
             print(f"{mode} {row} seg{s}: bf16 flow mels vs official rel RMS {err:.2e}")
             worst = max(worst, err)
     assert worst <= BF16_MEL_REL_RMS, worst
+
+
+@pytest.mark.parametrize("mode", ["full", "streaming"])
+def test_ar_step_beside_the_codec_gives_the_serial_tokens(parts, fixtures_dir, mode):
+    """``scheduler.ar_stream=beside`` (design.md D22): the AR engine on a high-priority stream
+    of its own, the codec's slices beside it. Rows decode in other batches than serial (the
+    timing differs) and the kernels are batch invariant (D13), so every segment's tokens must
+    be the serial ones; a missing order between the streams (a decode reading row state or KV
+    pages before they are written) would change them. With deadline batching on in streaming,
+    so the policy under test is the one the lead measures."""
+    stream = mode == "streaming"
+    rows = fixture_rows(fixtures_dir)
+    extra = [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4"]
+    extra += ["codec.deadline_lead_ms=500"] if stream else []
+    serial = _pipeline(parts, extra + ["scheduler.ar_stream=serial"])
+    assert serial._ar_stream is None
+    _, want = _run(serial, rows, stream, len(rows))
+    serial.close()
+    beside = _pipeline(parts, extra + ["scheduler.ar_stream=beside"])
+    assert (beside._ar_stream is not None) == (DEV.type == "cuda"), "beside must take effect on CUDA"
+    chunks, got = _run(beside, rows, stream, len(rows))
+    tl = beside.timeline()
+    beside.close()
+    assert got == want
+    assert all(len(c) for r in rows for c in chunks[r.utt_id][:1]), "every row produced audio"
+    if DEV.type == "cuda":
+        assert tl["slice_ms"]["ar_decode"]["count"] > 0 and tl["gpu_budget"]["ar_decode"] > 0, tl.get("gpu_budget")
+        print(f"{mode} beside: gpu_kernel {tl['gpu_kernel']}, budget {tl['gpu_budget']}")

@@ -341,10 +341,17 @@ def test_slice_settings_reach_the_timeline_limits():
 
     p = load_profile("packed_streaming", ["codec.first_wait_ms=120", "codec.max_wait_ms=400",
                                           "codec.solve_tokens=9000", "codec.budget_ms=7.5", "codec.budget_max_ms=20"])
-    s = resolve(p, ModelConfig(), torch.device("cpu")).slices
+    cfg, cpu = ModelConfig(), torch.device("cpu")
+    s = resolve(p, cfg, cpu).slices
     assert (s.budget_ms, s.budget_max_ms, s.solve_tokens, s.first_wait_s, s.max_wait_s) == (7.5, 20.0, 9000, 0.12, 0.4)
     default = resolve(load_profile("packed_streaming"), ModelConfig(), torch.device("cpu")).slices
     assert default.solve_tokens is None and default.budget_max_ms is None
+    assert default.deadline_lead_s is None and resolve(load_profile("default"), cfg, cpu).ar_stream == "serial"
+    on = resolve(load_profile("packed_streaming", ["codec.deadline_lead_ms=600", "codec.deadline_tokens=6000",
+                                                   "scheduler.ar_stream=beside"]), cfg, cpu)
+    assert (on.slices.deadline_lead_s, on.slices.deadline_tokens, on.ar_stream) == (0.6, 6000, "beside")
+    assert err("packed_streaming", ["codec.deadline_lead_ms=200"]).endswith("must be > 250 (the imminent-deadline margin), got 200.0")
+    assert "one of 'serial', 'beside'" in err("packed_streaming", ["scheduler.ar_stream=parallel"])
     assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
         "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"
 

@@ -9,17 +9,21 @@ from helpers import FP32, drain, fixture_rows, official
 from parity import assert_wave_close
 
 
-
-
-@pytest.mark.parametrize("mode", ["full", "streaming"])
-def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode):
+# The last case: deadline batching and the AR step beside the codec (design.md D22) are
+# accepted on a CPU, where the AR step stays serial, and change no result.
+@pytest.mark.parametrize("mode,timeline", [("full", []), ("streaming", []),
+                                           ("streaming", ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"])])
+def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, timeline):
     from cosybatch.profiles import load_profile
     from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
     extra = ["optimizations.prefix_reuse=true"] if mode == "streaming" else []
-    profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2"] + extra)
+    profile = load_profile("default", FP32 + [f"mode={mode}", "ar.max_num_seqs=3", "codec.max_num_seqs=2"] + extra
+                           + timeline)
     pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
+    assert pipe._ar_stream is None  # serial on a CPU, whatever the profile asks
+    assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline else None)
     rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from cosybatch.bench.metrics import Timeline, aggregate, request_metrics
+from cosybatch.scheduler.budget import budget_rows
 from cosybatch.scheduler.protocol import StreamingPipeline, SynthRequest, drive
 
 log = logging.getLogger("cosybatch.bench.closed_loop")
@@ -253,7 +254,14 @@ def result_table(result: BenchResult, title: str):
         a = tl["ar_step_ms"]
         rows.append(("AR decode step in the pipeline p50 / p90 (ms)", f"{a['p50']:.2f} / {a['p90']:.2f}"))
     if tl.get("gpu_idle_share") is not None:
-        rows.append(("GPU idle share of wall", f"{tl['gpu_idle_share']:.0%}"))
+        rows.append(("GPU idle share of wall (outside slices)", f"{tl['gpu_idle_share']:.0%}"))
+    kernel = tl.get("gpu_kernel") or {}
+    if kernel:
+        share = kernel.get("kernel_active_share")
+        rows.append(("GPU kernel-active share of wall (NVML, in the process)",
+                     f"{share:.1%}" if share is not None else f"unavailable: {kernel.get('unavailable')}"))
+    if tl.get("gpu_budget"):
+        rows += budget_rows(tl["gpu_budget"])
     if tl.get("flow_tflops") is not None:
         rows.append(("flow TFLOP/s over its GPU time (steps and captures)", f"{tl['flow_tflops']:.4g}"))
     queue = tl.get("slice_queue_ms") or {}

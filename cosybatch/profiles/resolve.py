@@ -100,4 +100,8 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
                        frontend_workers=c.frontend_workers, frontend=resolve_frontend(profile.frontend, device),
                        profile=profile.name,
-                       slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3, c.max_wait_ms / 1e3))
+                       slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3,
+                                            c.max_wait_ms / 1e3,
+                                            None if c.deadline_lead_ms is None else c.deadline_lead_ms / 1e3,
+                                            c.deadline_tokens),
+                       ar_stream=profile.scheduler.ar_stream)

@@ -70,9 +70,25 @@ class CodecProfile:
     solve_tokens: int | None = None
     first_wait_ms: float = 50.0
     max_wait_ms: float = 250.0
+    # Deadline batching in streaming (null = off; design.md D22): a hop whose player has more
+    # than this much audio left waits to join a large solve instead of starting one after
+    # max_wait_ms, and solves wait for deadline_tokens (at most that many while the AR engine
+    # runs) unless a decoding row's player is within this lead of running dry.
+    deadline_lead_ms: float | None = None
+    deadline_tokens: int = 8192
     # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with
     # the onnxruntime frontend also run its models (the GPU frontend's run on the pipeline's thread).
     frontend_workers: int = 4
+
+
+@dataclass(frozen=True)
+class SchedulerProfile:
+    """How the one thread that owns the GPU timeline issues work (design.md D15, D22)."""
+
+    # serial: the AR step and the codec's slices on one stream, one after the other; beside:
+    # the AR step on a high-priority stream of its own, the codec's slices beside it (CUDA and
+    # a graphed decode only; otherwise serial, logged)
+    ar_stream: Literal["serial", "beside"] = "serial"
 
 
 @dataclass(frozen=True)
@@ -162,6 +178,7 @@ class Profile:
     description: str = ""
     ar: ARProfile = field(default_factory=ARProfile)
     codec: CodecProfile = field(default_factory=CodecProfile)
+    scheduler: SchedulerProfile = field(default_factory=SchedulerProfile)
     frontend: FrontendProfile = field(default_factory=FrontendProfile)
     hops: HopsProfile = field(default_factory=HopsProfile)
     optimizations: Optimizations = field(default_factory=Optimizations)
@@ -314,6 +331,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
     "codec.first_wait_ms": (lambda v: v >= 0, "must be >= 0"),
     "codec.max_wait_ms": (lambda v: v >= 0, "must be >= 0"),
+    # at or below the policy's 0.25 s imminence, every patient hop would start as an overrun
+    "codec.deadline_lead_ms": (lambda v: v is None or v > 250, "must be > 250 (the imminent-deadline margin)"),
+    "codec.deadline_tokens": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_counters": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_graph_capture_after": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.prefix_budget_gb": (lambda v: v >= 0, "must be >= 0"),
@@ -336,7 +356,7 @@ _USES = {
 }
 DEFAULTS = Profile()
 # engine=reference runs the exact one-request path and reads none of these.
-_FAST_ONLY = tuple(k for k in LEAVES if k.split(".")[0] in ("ar", "codec", "frontend", "optimizations"))
+_FAST_ONLY = tuple(k for k in LEAVES if k.split(".")[0] in ("ar", "codec", "scheduler", "frontend", "optimizations"))
 
 
 def fmt(v: Any) -> str:

@@ -115,9 +115,10 @@ class CodecWork:
 
     # ------------------------------------------------------------------ one iteration
 
-    def run(self, now: float, ar_active: bool, deadline: Callable[[str], float], ar_rows: int = 0) -> bool:
+    def run(self, now: float, ar_active: bool, deadline: Callable[[str], float], ar_rows: int = 0,
+            ar_deadline: float = policy.INF) -> bool:
         """Queue this iteration's codec slices; True if any was queued (``ar_rows``: rows the
-        AR step in flight serves). The halves of a failed call run first, each alone, before
+        AR step in flight serves; ``ar_deadline``: the earliest deadline among them). The halves of a failed call run first, each alone, before
         the policy starts anything new."""
         did = False
         if self._retry_hift:
@@ -132,7 +133,7 @@ class CodecWork:
         p_hops = [policy.Hop(h.job.segment_id, h.order, h.first, deadline(h.row_id), h.tokens, h.ready_at) for h in ready]
         p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2],
                              m.ready_at) for m in self.mels]
-        plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels, ar_rows)
+        plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels, ar_rows, ar_deadline)
         if plan.hift:
             self._run_hift(set(plan.hift))
             did = True

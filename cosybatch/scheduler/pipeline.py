@@ -17,6 +17,7 @@ Rows are independent: an exception while preparing or running one row becomes th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import zlib
@@ -38,6 +39,8 @@ from cosybatch.scheduler.protocol import Event, SynthRequest
 from cosybatch.scheduler.startup import StartupClock
 from cosybatch.scheduler import policy
 from cosybatch.scheduler.accounting import Accounting
+from cosybatch.scheduler.budget import gpu_budget
+from cosybatch.scheduler.gpu_util import KernelActiveSampler
 from cosybatch.scheduler.codec_work import CodecWork, Hop
 from cosybatch.scheduler.costs import CostModel
 from cosybatch.scheduler.prompt_work import PromptWork
@@ -85,13 +88,17 @@ class FastPipeline:
         self.startup = startup = startup or StartupClock(device)
         with startup.phase("AR engine"):
             self.engine = LLMEngine(models.llm, settings.engine)
+        self._ar_stream = self._make_ar_stream(settings.ar_stream)
         self.acct = Accounting(device)
+        self.util = KernelActiveSampler(device)  # what the slices cannot see: a GPU waiting inside them
+        self._audio_samples = 0  # audio handed out, for the GPU budget per audio second
         sl = settings.slices
         limits = policy.Limits(streaming=self.streaming, budget_ms=sl.budget_ms, budget_max_ms=sl.budget_max_ms,
                                ar_capacity=settings.engine.max_num_seqs,
                                max_jobs=codec_cfg.max_num_seqs, max_hift=codec_cfg.max_num_seqs,
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
-                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s)
+                               first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s,
+                               deadline_lead_s=sl.deadline_lead_s, deadline_tokens=sl.deadline_tokens)
         with startup.phase("codec"):
             hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
                               max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
@@ -116,6 +123,26 @@ class FastPipeline:
         self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
+
+    def _make_ar_stream(self, mode: str):
+        """``scheduler.ar_stream=beside`` (design.md D22): the AR engine's work (prefill, decode,
+        sampling, row state, the tokens' copy and event) on a high-priority stream of its own,
+        so a decode step no longer queues behind the codec slices issued before it. Everything
+        the engine reads on the device is written by the engine itself on that stream (its
+        inputs come from the host), and the codec reads its tokens on the host, so no event is
+        needed between the two streams; the decode graphs were captured on a side stream and
+        replay on whichever stream is current, and they share a memory pool only with the
+        prefill graphs, which replay on the same stream. Serial elsewhere."""
+        if mode != "beside":
+            return None
+        if self.device.type != "cuda" or not self.engine.runner.graphs:
+            log.info("scheduler.ar_stream=beside needs CUDA and a graphed AR decode; the AR step runs serial")
+            return None
+        return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes
+
+    def _on_ar(self):
+        """Where the AR engine's kernels go: its own stream (beside), else the current one."""
+        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ protocol
 
@@ -168,7 +195,12 @@ class FastPipeline:
         flow_ms = sum(out.get("slice_ms", {}).get(k, {}).get("total", 0.0) for k in ("flow_step", "flow_capture"))
         work = solve_flops(self.cfg.flow, d["flow_tokens"], d["flow_attn_pairs"])
         out["flow_tflops"] = float(f"{work / flow_ms / 1e9:.4g}") if flow_ms else None
+        util = self.util.summary()
+        out["gpu_kernel"] = util
+        out["gpu_budget"] = gpu_budget({k: v["total"] for k, v in out.get("slice_ms", {}).items()}, out["wall_s"],
+                                       d["audio_samples"] / self.sample_rate, util["kernel_active_share"])
         if reset:
+            self.util.reset()
             self.acct.reset()
             self._counter_base = now
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
@@ -192,7 +224,7 @@ class FastPipeline:
         return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
                 "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
                 "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
-                "prefill_graphed": pg.replays if pg is not None else 0}
+                "prefill_graphed": pg.replays if pg is not None else 0, "audio_samples": self._audio_samples}
 
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
@@ -202,7 +234,8 @@ class FastPipeline:
         # An AR step is queued (launched now, or run ahead by the last collect): the codec's
         # slices then share the iteration with it and keep to the budget.
         ar = self.engine.in_flight
-        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows)
+        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows,
+                                     self._ar_deadline())
         self._bound_queue()
         if self.engine.in_flight:
             self._collect_ar()
@@ -236,6 +269,7 @@ class FastPipeline:
         """Stop the frontend workers and wait for them (no thread outlives the pipeline), and
         let the frontend finish its disk-cache writes."""
         self.prompts.close()
+        self.util.close()
 
     # ------------------------------------------------------------------ admission
 
@@ -277,8 +311,9 @@ class FastPipeline:
         P = row.prompt.speech_tokens.shape[0]
         row.planner = SegmentPlanner(row.schedule, P, self.lookahead) if self.streaming else None
         try:
-            self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
-                                    self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
+            with self._on_ar():
+                self.engine.add_request(row.segments[row.seg], row.prompt_text_ids, row.prompt.speech_tokens,
+                                        self._params(row.req, row.seg), request_id=_segment_id(row.req.request_id, row.seg))
         except Exception as e:
             self._fail(row, e)
 
@@ -288,35 +323,48 @@ class FastPipeline:
         if self.engine.in_flight or not self.engine.has_unfinished():
             return False
         kind = "ar_prefill" if self.engine.scheduler.can_admit() else "ar_decode"
-        t = self.acct.start(kind)
-        try:
-            launched = self.engine.launch()
-        except RequestFailed as e:  # the engine dropped that one request and goes on
-            self.acct.cancel(t)
-            self._fail_request(e)
+        # on the AR stream, the accounting's events too (an AR slice is timed on its stream);
+        # a failure is handled after it, since failing rows releases codec state
+        with self._on_ar():
+            t = self.acct.start(kind)
+            try:
+                launched = self.engine.launch()
+                err = None
+            except Exception as e:
+                launched, err = False, e
+                if isinstance(e, RequestFailed):
+                    self.acct.cancel(t)
+                else:
+                    self.acct.end(t)
+            else:
+                self.acct.end(t)
+        if isinstance(err, RequestFailed):  # the engine dropped that one request and goes on
+            self._fail_request(err)
             return True
-        except Exception as e:  # anything else leaves the engine's rows unknown: fail them
-            self.acct.end(t)
-            self._engine_failed(e)
+        if err is not None:  # anything else leaves the engine's rows unknown: fail them
+            self._engine_failed(err)
             return True
-        self.acct.end(t)
         return launched
 
     def _collect_ar(self) -> None:
         # collect() may queue the next decode step at once (nothing finished, nobody to admit):
-        # that step is AR work on the timeline too, so it is accounted like a launched one.
-        t = self.acct.start("ar_decode")
-        try:
-            with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
-                outs = self.engine.collect()
-        except Exception as e:
-            self.acct.cancel(t)
-            self._engine_failed(e)
+        # that step is AR work on the timeline too, so it is accounted like a launched one. On
+        # the AR stream (beside): that step, and finished rows' state (unbind, move), written
+        # there in order before the next step reads it.
+        with self._on_ar():
+            t = self.acct.start("ar_decode")
+            try:
+                with self.acct.waiting():  # the tokens' read (the engine's bookkeeping after it is small)
+                    outs, err = self.engine.collect(), None
+            except Exception as e:
+                outs, err = [], e
+            if err is None and self.engine.in_flight:
+                self.acct.end(t)
+            else:
+                self.acct.cancel(t)
+        if err is not None:  # failing rows releases codec state: not on the AR stream
+            self._engine_failed(err)
             return
-        if self.engine.in_flight:
-            self.acct.end(t)
-        else:
-            self.acct.cancel(t)
         for out in outs:
             if out.finished:
                 self.engine.seqs.pop(out.request_id, None)  # the engine need not remember it
@@ -365,6 +413,10 @@ class FastPipeline:
         new = self._token_frames * (chunk.end - chunk.offset) + self._chunk_frames
         return 2 * min(frames, new)
 
+    def _ar_deadline(self) -> float:
+        """The earliest player deadline among rows the AR engine still decodes (policy.large_solves)."""
+        return min((r.deadline for r in self._rows.values() if not r.llm_done), default=policy.INF)
+
     def _deadline(self, row_id: str) -> float:
         row = self._rows.get(row_id)
         return row.deadline if row is not None else policy.INF
@@ -380,6 +432,7 @@ class FastPipeline:
                 continue
             self._events.append(Event(o.row_id, "chunk", audio=o.audio))
             if len(o.audio):
+                self._audio_samples += len(o.audio)
                 row.first_audio = row.first_audio or time.perf_counter()
                 row.audio_s += len(o.audio) / self.sample_rate
             if o.finalize:
@@ -396,7 +449,8 @@ class FastPipeline:
         rid = row.req.request_id
         seg_id = _segment_id(rid, row.seg)
         try:
-            self.engine.abort(seg_id)
+            with self._on_ar():  # an abort frees the row's state with kernels: the AR stream's order
+                self.engine.abort(seg_id)
         except Exception:  # after an engine fault its bookkeeping may be gone; the row fails anyway
             log.debug("abort of %s failed", rid, exc_info=True)
         self.codec.drop_row(rid, seg_id)

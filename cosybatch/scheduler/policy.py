@@ -22,9 +22,17 @@ solves waste the GPU), or (streaming) a first hop has waited ``first_wait_s``, o
 ``max_wait_s``, or a deadline is near, or the AR engine is idle (no more tokens are coming
 soon).
 
+Deadline batching (streaming, ``deadline_lead_s`` set; design.md D22): a hop whose player has
+more than ``deadline_lead_s`` of audio left is *patient*: it joins whatever solve starts, but
+its waiting alone does not start one; it starts one once its deadline comes within the lead.
+Without it every hop's ``max_wait_s`` starts a solve of whatever is ready, and the solve's own
+length then sets how much is ready for the next: small solves finish soon and start the next
+one small (the small-solve regime a run can fall into), large ones keep it large.
+
 Starvation-free: a waiting hop's deadline only gets nearer until it is imminent, and imminent
-hops outrank everything; within a class the order is by deadline, then arrival; and no hop
-waits past ``max_wait_s`` for a solve to start.
+hops outrank everything; within a class the order is by deadline, then arrival; no hop
+waits past ``max_wait_s`` for a solve to start, and a patient one waits until its deadline is
+``deadline_lead_s`` away, which is then ``max_wait_s``'s rule (it has waited longer than that).
 """
 
 from __future__ import annotations
@@ -92,6 +100,12 @@ class Limits:
     max_wait_s: float = 0.25  # any hop, at most this long
     budget_max_ms: float | None = None  # see iteration_budget; None: the budget is fixed
     ar_capacity: int = 1  # rows an AR step can serve (the AR admission)
+    # streaming: a hop whose deadline is further than this waits for a large solve instead of
+    # starting one after max_wait_s (None: off, every hop's wait is bounded by max_wait_s)
+    deadline_lead_s: float | None = None
+    # with deadline batching on: the solve size worth waiting for (and 1.5x it the most a solve
+    # takes while the AR engine runs), instead of solve_tokens or the learned target
+    deadline_tokens: float = 8192.0
 
 
 @dataclass(frozen=True)
@@ -143,16 +157,28 @@ def _key(lim: Limits, now: float):
     return lambda h: h.order
 
 
-def _target(lim: Limits, costs: Costs) -> float:
-    return lim.solve_tokens if lim.solve_tokens is not None else costs.efficient_tokens()
+def _target(lim: Limits, costs: Costs, large: bool = True) -> float:
+    """The solve size worth waiting for. With deadline batching, the larger of the set
+    ``deadline_tokens`` and the usual target: the learned one follows the fitted fixed cost of
+    a step, and a low fit made solves small, which kept them small (module docstring)."""
+    base = lim.solve_tokens if lim.solve_tokens is not None else costs.efficient_tokens()
+    return max(base, lim.deadline_tokens) if large and _deadline_batching(lim) else base
 
 
-def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: float = 0.0) -> list[Hop]:
+def _deadline_batching(lim: Limits) -> bool:
+    return lim.streaming and lim.deadline_lead_s is not None
+
+
+def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: float = 0.0,
+              large: bool = True) -> list[Hop]:
     """The hops of the next solve: at most one per segment (a segment's hops depend on each
     other), in priority order, at most ``max_jobs``, and with the AR engine busy at most 1.5x
     the target solve size, so one Euler step stays near the budget (always at least one hop)."""
     seen, out, tokens = set(), [], 0
-    cap = 1.5 * _target(lim, costs) if ar_active else INF
+    # With deadline batching the target is already large: a solve beyond it would make each
+    # Euler step, which runs between two AR steps whatever the budget, slow the rows' tokens.
+    big = large and _deadline_batching(lim)
+    cap = (1.0 if big else 1.5) * _target(lim, costs, large) if ar_active else INF
     for h in sorted(hops, key=_key(lim, now)):
         if h.segment_id in seen:
             continue
@@ -164,7 +190,37 @@ def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: 
     return out
 
 
-def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops: list[Hop]) -> bool:
+def patient(h: Hop, lim: Limits, now: float) -> bool:
+    """Whether the hop's waiting alone does not start a solve: streaming with deadline batching
+    on, not a first hop (a listener waits for it), and a player with more than
+    ``deadline_lead_s`` of audio left (a row without a player yet, deadline inf, is not: how
+    much audio its first chunk brings is not known here)."""
+    return (_deadline_batching(lim) and not h.first and h.deadline != INF
+            and h.deadline - now > lim.deadline_lead_s)
+
+
+def must_start(h: Hop, lim: Limits, now: float) -> bool:
+    """Whether this hop alone starts a solve now, whatever its size: its deadline is imminent,
+    or it has waited its bound (a first hop ``first_wait_s``, a patient one until its deadline
+    is ``deadline_lead_s`` away, any other ``max_wait_s``)."""
+    if h.deadline - now <= lim.urgent_s:
+        return True
+    if patient(h, lim, now):
+        return False
+    return now - h.ready_at >= (lim.first_wait_s if h.first and lim.streaming else lim.max_wait_s)
+
+
+def large_solves(now: float, lim: Limits, ar_deadline: float) -> bool:
+    """Whether deadline batching may size solves beyond the usual target now. A large solve's
+    Euler steps run between two AR steps whatever the budget, so they slow every decoding
+    row's tokens; that is harmless while those rows' players have audio to spare, not once a
+    decoding row's player is within ``deadline_lead_s`` of running dry (``ar_deadline``: the
+    earliest deadline among the rows the AR engine still decodes; inf when none plays)."""
+    return _deadline_batching(lim) and ar_deadline - now > lim.deadline_lead_s
+
+
+def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops: list[Hop],
+                   large: bool = True) -> bool:
     """Whether the ready hops should start a solve now rather than wait for more."""
     if not hops:
         return False
@@ -173,16 +229,15 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
     per_segment = {}
     for h in hops:
         per_segment.setdefault(h.segment_id, h)
-    if sum(h.tokens for h in per_segment.values()) >= _target(lim, costs):
+    if sum(h.tokens for h in per_segment.values()) >= _target(lim, costs, large):
         return True
-    return any(h.deadline - now <= lim.urgent_s
-               or now - h.ready_at >= (lim.first_wait_s if h.first and lim.streaming else lim.max_wait_s) for h in hops)
+    return any(must_start(h, lim, now) for h in hops)
 
 
 def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,
-         hops: list[Hop], mels: list[Mel], ar_rows: int = 0) -> SlicePlan:
+         hops: list[Hop], mels: list[Mel], ar_rows: int = 0, ar_deadline: float = INF) -> SlicePlan:
     """The codec slices of one iteration, in the order to queue them (``ar_rows``: rows the
-    AR step in flight serves, for ``iteration_budget``)."""
+    AR step in flight serves, for ``iteration_budget``; ``ar_deadline``: see ``large_solves``)."""
     budget = iteration_budget(lim, ar_rows) if ar_active else INF
     urgent = lambda d: d - now <= lim.urgent_s  # noqa: E731
     spent = 0.0
@@ -211,8 +266,9 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
         if steps < solve.steps_left:
             return SlicePlan(hift, steps)
     start, start_steps = (), 0
-    if worth_starting(now, lim, costs, ar_active, hops):
-        jobs = pick_jobs(hops, lim, costs, ar_active, now)
+    large = large_solves(now, lim, ar_deadline)
+    if worth_starting(now, lim, costs, ar_active, hops, large):
+        jobs = pick_jobs(hops, lim, costs, ar_active, now, large)
         start = tuple(h.segment_id for h in jobs)
         step = costs.flow_step(sum(h.tokens for h in jobs))
         room = budget - spent

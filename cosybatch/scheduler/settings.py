@@ -22,6 +22,8 @@ class SliceSettings:
     solve_tokens: int | None  # a flow solve worth starting; None: from the learned costs
     first_wait_s: float  # a row's first hop waits at most this long for a bigger solve
     max_wait_s: float  # any hop, at most this long
+    deadline_lead_s: float | None = None  # streaming deadline batching (design.md D22); None: off
+    deadline_tokens: int = 8192  # the solve size deadline batching waits for
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,6 @@ class RunSettings:
     frontend: FrontendSettings
     slices: SliceSettings
     profile: str = ""
+    # "serial": the AR step and the codec on one stream; "beside": the AR step on a
+    # high-priority stream of its own (design.md D22; CUDA with a graphed decode only)
+    ar_stream: str = "serial"
