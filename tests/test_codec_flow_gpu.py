@@ -1,4 +1,4 @@
-"""Packed flow on the GPU: bf16 (varlen attention) against the fp32 reference recompute.
+"""Packed flow on the GPU: bf16 (`auto` attention: the Triton kernel, else varlen) against the fp32 reference recompute.
 
 Random weights at a reduced but realistic width (dim 512, 8 heads of 64), several requests
 streaming with prefix reuse plus whole responses, all packed per call.

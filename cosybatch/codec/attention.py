@@ -23,6 +23,7 @@ Backends:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -199,7 +200,7 @@ def triton_available(device) -> bool:
     if torch.device(device).type != "cuda":
         return False
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return False
     return True
