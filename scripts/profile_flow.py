@@ -32,8 +32,12 @@ from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
 
 # FlowRunner options per variant: eager ops and cuDNN convs; the Triton rotary with cuDNN's
 # convs; every Triton kernel (what the pipeline runs on CUDA).
+# "triton-varlen" / "triton-attn": the Triton kernels without the fused residual + LayerNorm, with
+# FlashAttention's varlen kernel / the Triton attention (an "attention" entry overrides --attention).
 VARIANTS = {"eager": {"triton_kernels": False}, "cudnn-conv": {"triton_kernels": True, "conv_form": "channels_last"},
-            "triton": {"triton_kernels": True}}
+            "triton": {"triton_kernels": True},
+            "triton-varlen": {"triton_kernels": True, "fused_ln": False, "attention": "varlen"},
+            "triton-attn": {"triton_kernels": True, "fused_ln": False, "attention": "triton"}}
 
 
 def hop_jobs(rows, tag, hop):
@@ -88,8 +92,10 @@ def time_hop(runner, rows, tag, hop, reps):
 def sweep(flow, args, dtype, cuda: bool, variant: str) -> dict:
     """Graphed step times over the row counts for one variant (a key of ``VARIANTS``), the fit,
     and the mels of four rows' first hops (for the comparison between variants)."""
-    runner = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
-                        graphs=cuda, graph_capacity=64, **(VARIANTS[variant] if cuda else {}))
+    opts = dict(VARIANTS[variant]) if cuda else {}
+    attention = opts.pop("attention", args.attention)
+    runner = FlowRunner(flow, dtype=dtype, attention=attention, prefix_budget_bytes=16 << 30,
+                        graphs=cuda, graph_capacity=64, **opts)
     out = {"rows": []}
     for n in [int(x) for x in args.rows.split(",") if x]:
         rows = make_rows(flow.cfg, n, 125, 250, args.device, seed=n)
@@ -188,8 +194,9 @@ def main(argv=None):
                                                                       for v in variants) + " |")
         print("| fit | | " + " | ".join(f"{out[v]['fit']['fixed_ms']:.2f} ms + {out[v]['fit']['us_per_token']:.2f} us/token"
                                          if "fit" in out[v] else "-" for v in variants) + " |", flush=True)
-    eager = FlowRunner(flow, dtype=dtype, attention=args.attention, prefix_budget_bytes=16 << 30,
-                       **(VARIANTS[variants[-1]] if cuda else {}))
+    opts = dict(VARIANTS[variants[-1]]) if cuda else {}
+    eager = FlowRunner(flow, dtype=dtype, attention=opts.pop("attention", args.attention),
+                       prefix_budget_bytes=16 << 30, **opts)
     rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
     out["profile"] = kernel_profile(eager, rows, args.hop, args.top)
     if args.json:

@@ -74,3 +74,16 @@ def test_snake_bias_residual_and_rotary_kernels_match_their_eager_twins():
     rotary_qk_(a, cos, sin)
     K.rotary_qk_(b, cos, sin)
     assert (a - b).abs().max() <= 1e-6 and torch.equal(b[:, 2], qkv[:, 2])
+
+
+def test_gated_residual_ln_kernel_matches_addcmul_then_layer_norm():
+    g = torch.Generator().manual_seed(3)
+    h, y = torch.randn(2, 7, 40, generator=g).unbind(0)  # 40 channels: a masked tail in a 64-wide block
+    gate, scale1, shift = torch.randn(3, 40, generator=g).unbind(0)
+    want_h = torch.addcmul(h, gate, y)
+    want_x = F.layer_norm(want_h, (40,), scale1, shift, eps=1e-6)
+    got_h, got_x = K.gated_residual_ln(h, gate, y, scale1, shift, 1e-6)
+    assert (got_h - want_h).abs().max() <= 1e-6
+    assert (got_x - want_x).abs().max() <= 1e-5
+    # the LayerNorm reads the updated residual, not the old one
+    assert (K.gated_residual_ln(h, gate * 0, y, scale1, shift, 1e-6)[1] - want_x).abs().max() > 1e-2

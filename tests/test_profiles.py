@@ -95,7 +95,7 @@ def test_wrong_types(tmp_path):
         "ar:\n  max_num_seqs: true\n": "ar.max_num_seqs: expected an integer, got bool True",
         "mode: stream\n": "mode: expected one of 'streaming', 'full', got str 'stream'",
         "codec:\n  attention: xformers\n":
-            "codec.attention: expected one of 'auto', 'sdpa', 'varlen', 'flash', got str 'xformers'",
+            "codec.attention: expected one of 'auto', 'sdpa', 'varlen', 'flash', 'triton', got str 'xformers'",
         "sampling:\n  mode: standard\n  temperature: hot\n":
             "sampling.temperature: expected a number or null, got str 'hot'",
         "ar: 5\n": "ar: expected a mapping, got int 5",

@@ -17,12 +17,16 @@ Backends:
   CUDA) with a key start and a used key count per sequence, reading keys in place.
 - ``flash``: the ``flash_attn`` package's varlen kernel, where it is installed and takes a
   used key count per sequence.
+- ``triton``: our Triton kernel (``triton_attention.py``), query tiles sized to the attention
+  chunk rather than FlashAttention's 128 rows, keys read in place (CUDA; any float dtype).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +47,7 @@ class LaunchMeta:
     max_q: int
     max_k: int
     n_seqs: int
+    kernel: str = ""  # which backend prepared it, where one backend dispatches to several (``auto``)
 
 
 class SdpaBackend:
@@ -145,11 +150,60 @@ class FlashAttnBackend(_VarlenBase):
         return self._fn(q, k, v, t["cu_q"], starts, meta.max_q, meta.max_k, seqused_k=t["k_used"], causal=False)
 
 
+class TritonBackend:
+    """Query tiles of ``block_m`` rows per (tile, head) program; ``merge``: the chunks of one row
+    share tiles (see ``triton_attention``). The defaults are the fastest fixed choice measured on
+    the H200 at the flow's shapes (docs/performance.md, eleventh session)."""
+
+    name = "triton"
+    bucketable = True  # the tile count is bounded by the bucket's sequence count, query bound and tokens
+
+    def __init__(self, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+                 merge: bool = True):
+        try:
+            from cosybatch.codec import triton_attention
+        except ImportError as e:
+            raise ValueError(f"codec.attention=triton needs the triton package; it is not importable here: {e}") from None
+        self._k = triton_attention
+        self.block_m, self.block_n, self.num_warps, self.num_stages, self.merge = \
+            block_m, block_n, num_warps, num_stages, merge
+
+    def prepare(self, seqs: SubSeqs, n_tokens: int, device, n_seqs: int | None = None, max_q: int | None = None,
+                max_k: int | None = None) -> LaunchMeta:
+        mq = max(1, seqs.max_q) if max_q is None else max_q
+        mk = max(1, seqs.max_k) if max_k is None else max_k
+        real = int((seqs.q_len > 0).sum())
+        if n_seqs is not None and (real > n_seqs or seqs.max_q > mq):
+            raise ValueError("sub-sequences exceed the launch's bucket")
+        n_tiles = None if n_seqs is None else self._k.max_tiles(n_seqs, mq, n_tokens, self.block_m)
+        t = self._k.prepare_tiles(seqs, n_tokens, device, self.block_m, self.merge, n_tiles)
+        return LaunchMeta(t, mq, mk, real if n_seqs is None else n_seqs, kernel=self.name)
+
+    def layer_keys(self, meta: LaunchMeta, bases: torch.Tensor) -> torch.Tensor:
+        """[layers, tiles] int32 key starts: each tile's own plus each layer's offset."""
+        return meta.tensors["k_start"][None, :] + bases.to(torch.int32)[:, None]
+
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
+        t = meta.tensors
+        return self._k.chunk_attention(q, k, v, t["tiles"], t["k_start"] if keys is None else keys, t["k_len"],
+                                       self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+
 def varlen_available(device) -> bool:
     return torch.device(device).type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 _HALF = (torch.float16, torch.bfloat16)  # what FlashAttention's kernels take
+
+
+def triton_available(device) -> bool:
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
@@ -160,9 +214,16 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
 
 
 def make_backend(name: str, device, dtype: torch.dtype = torch.bfloat16):
-    """``auto``: FlashAttention's varlen kernel where it runs (CUDA, fp16/bf16), else SDPA."""
+    """``auto``: on CUDA in fp16/bf16 the Triton kernel where triton is importable, else
+    FlashAttention's varlen kernel; SDPA elsewhere. Measured on the H200 at the flow's shapes
+    (scripts/bench_attention.py, docs/performance.md, eleventh session), the Triton kernel beat
+    varlen on streaming hops (1.9x at 64 rows of 400 + 2 x 50 frames) and on packed whole rows
+    (1.26x at 128 x 500, 1.4x ragged 250-750)."""
     if name == "auto":
-        name = "varlen" if dtype in _HALF and varlen_available(device) else "sdpa"
+        if dtype in _HALF and triton_available(device):
+            name = "triton"
+        else:
+            name = "varlen" if dtype in _HALF and varlen_available(device) else "sdpa"
     check_dtype(name, dtype)
     if name == "sdpa":
         return SdpaBackend()
@@ -172,4 +233,8 @@ def make_backend(name: str, device, dtype: torch.dtype = torch.bfloat16):
         return TorchVarlenBackend()
     if name == "flash":
         return FlashAttnBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa, varlen or flash")
+    if name == "triton":
+        if not triton_available(device) and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("codec.attention=triton needs CUDA and the triton package; use sdpa on CPU")
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa, varlen, flash or triton")

@@ -91,6 +91,7 @@ class FlowRunner:
         capture: Capture | None = None,
         conv_form: str | None = None,
         triton_kernels: bool = False,
+        fused_ln: bool | None = None,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
@@ -99,7 +100,9 @@ class FlowRunner:
         head-0 rotary as one Triton kernel per layer, not five, and the position convs as
         Triton kernels (``conv_form``, one of ``ConvPositionEmbed.FORMS``; by default
         ``"triton"`` with ``triton_kernels`` where the DiT's width allows it, else cuDNN's
-        ``"channels_last"`` on CUDA and ``"conv1d"`` elsewhere)."""
+        ``"channels_last"`` on CUDA and ``"conv1d"`` elsewhere). ``fused_ln`` (CUDA; by default
+        with ``triton_kernels``): each block's gated attention residual and the modulated
+        LayerNorm after it as one Triton kernel (``triton_kernels.gated_residual_ln``)."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -126,6 +129,8 @@ class FlowRunner:
             from cosybatch.codec import triton_kernels
 
             pre = functools.partial(block_pre, rotary_=triton_kernels.rotary_qk_)
+            if fused_ln is not False:
+                post = functools.partial(block_post, residual_ln=triton_kernels.gated_residual_ln)
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
             post = torch.compile(block_post, dynamic=True)

@@ -173,3 +173,39 @@ def causal_conv_mish(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, valid
                                 n, d, K=k, CG=cg, BLOCK_T=block_t, MASKED=valid is not None,
                                 RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, num_warps=4)
     return y
+
+
+@triton.jit
+def _gated_residual_ln_kernel(h_ptr, y_ptr, gate_ptr, w_ptr, b_ptr, h_out_ptr, x_out_ptr, D, eps,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < D
+    h = tl.load(h_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + c, mask=m, other=0.0).to(tl.float32)
+    # addcmul in float32, rounded to the activations' dtype: LayerNorm reads the rounded residual
+    hn = (h + g * y).to(h_out_ptr.dtype.element_ty)
+    tl.store(h_out_ptr + row * D + c, hn, mask=m)
+    x = hn.to(tl.float32)
+    mean = tl.sum(x, 0) / D
+    d = tl.where(m, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / D + eps)
+    w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(x_out_ptr + row * D + c, (d * rstd * w + b).to(x_out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_residual_ln(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, scale1: torch.Tensor,
+                      shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + gate * y, LayerNorm(h + gate * y) * scale1 + shift) for h, y [N, D] and gate, scale1,
+    shift [D]: the DiT's gated residual and the next modulated LayerNorm in one pass, where the
+    eager form is addcmul then layer_norm (the residual written, then read back)."""
+    if not (h.is_contiguous() and y.is_contiguous()) or h.shape != y.shape:
+        raise ValueError("gated_residual_ln: unexpected layout")
+    n, d = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    if n:
+        _gated_residual_ln_kernel[(n,)](h, y, gate, scale1, shift, h_out, x_out, d, eps,
+                                        BLOCK=triton.next_power_of_2(d), num_warps=4)
+    return h_out, x_out

@@ -55,7 +55,7 @@ class CodecProfile:
     # TF32 tensor cores for HiFT's float32 convolutions (cuDNN): ~2x faster, ~1e-4 from float32.
     # PyTorch enables it for cuDNN by default; cosybatch sets it explicitly either way.
     hift_tf32: bool = False
-    attention: Literal["auto", "sdpa", "varlen", "flash"] = "auto"
+    attention: Literal["auto", "sdpa", "varlen", "flash", "triton"] = "auto"
     # GPU milliseconds of codec work queued between two AR steps: bounds the time between a
     # row's tokens; an imminent playback deadline may overrun it (design.md D15).
     budget_ms: float = 6.0

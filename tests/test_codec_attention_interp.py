@@ -1,0 +1,141 @@
+"""The Triton attention backend (``codec.attention=triton``) through Triton's CPU interpreter,
+against the ``sdpa`` backend on packed layouts like the flow's.
+
+Only where ``triton`` is importable and no GPU is present (tests/test_codec_attention_gpu.py runs
+the compiled kernel in bf16). The interpreter evaluates in float32; the bound is the spread of the
+float32 ``sdpa`` backend itself around a float64 reference, measured on the same inputs, so it
+follows whatever CPU kernels run here rather than a fixed figure.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+if torch.cuda.is_available():
+    pytest.skip("GPU present: the GPU tests run the compiled kernel", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
+pytest.importorskip("triton")
+
+from cosybatch.codec.attention import SdpaBackend, TritonBackend, make_backend  # noqa: E402
+from cosybatch.codec.packing import RowSpec, SubSeqs, pack  # noqa: E402
+from cosybatch.codec.triton_attention import max_tiles  # noqa: E402
+
+HEADS, DH = 2, 16
+# The float32 kernel reorders its sums against SDPA (online softmax, base-2 exponentials): a few
+# roundings, where a wrong mask moves outputs by a key's whole weight.
+SPREAD_FACTOR = 4
+
+
+def _rows(rng, chunk: int, n: int) -> list[RowSpec]:
+    """Cached chunk-causal rows (pool launch), uncached chunk-causal and full-attention rows (self launch)."""
+    rows, region = [], 0
+    for i in range(n):
+        kind = i % 3
+        frames = int(rng.integers(chunk + 1, 5 * chunk))
+        if kind == 0:
+            q_start = chunk * int(rng.integers(1, frames // chunk + 1)) if frames > chunk else 0
+            q_start = min(q_start, (frames - 1) // chunk * chunk)
+            rows.append(RowSpec(frames, q_start, q_start, chunk, pool=(region, region + 5 * chunk)))
+            region += 10 * chunk
+        else:
+            rows.append(RowSpec(frames, 0, 0, chunk if kind == 1 else 0))
+    return rows
+
+
+def _qkv(n: int, gen, dtype=torch.float32):
+    """q, k, v as the flow makes them: strided views of one [N, 3, H, Dh] buffer."""
+    return torch.randn(n, 3, HEADS, DH, generator=gen, dtype=dtype).unbind(1)
+
+
+def _covered(seqs: SubSeqs, n: int) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.bool)
+    for q0, ql in zip(seqs.q_start, seqs.q_len):
+        m[q0 : q0 + ql] = True
+    return m
+
+
+def _run(backend, seqs, q, k, v, keys_at=None, **sizes):
+    meta = backend.prepare(seqs, q.shape[0], "cpu", **sizes)
+    keys = None if keys_at is None else backend.layer_keys(meta, keys_at)[-1]
+    return backend.run(q, k, v, meta, keys)
+
+
+def _check(seqs: SubSeqs, q, k, v, keys_at=None, tilings=((16, False), (32, True)), **sizes) -> None:
+    """Every Triton tiling within the float32 spread of the reference; a mask one key too long
+    outside it; zeros outside the sub-sequences."""
+    ref64 = _run(SdpaBackend(), seqs, q.double(), k.double(), v.double(), keys_at).float()
+    ref32 = _run(SdpaBackend(), seqs, q, k, v, keys_at)
+    cov = _covered(seqs, q.shape[0])
+    bound = SPREAD_FACTOR * max((ref32 - ref64)[cov].abs().max().item(), torch.finfo(torch.float32).eps)
+    for bm, merge in tilings:
+        got = _run(TritonBackend(block_m=bm, block_n=32, merge=merge), seqs, q, k, v, keys_at, **sizes)
+        assert (got - ref64)[cov].abs().max().item() <= bound, (bm, merge)
+        assert torch.equal(got[~cov], torch.zeros_like(got[~cov]))
+    # The test can fail: one key too many in the sub-sequence with the fewest keys.
+    live = np.flatnonzero(seqs.q_len > 0)
+    i = live[np.argmin(seqs.k_len[live])]
+    k_len = seqs.k_len.copy()
+    k_len[i] += 1
+    wrong = SubSeqs(seqs.q_start, seqs.q_len, seqs.k_start, k_len)
+    bm, merge = tilings[-1]
+    got = _run(TritonBackend(block_m=bm, block_n=32, merge=merge), wrong, q, k, v, keys_at, **sizes)
+    assert (got - ref64)[cov].abs().max().item() > bound
+
+
+@pytest.mark.parametrize("chunk", [15, 50])
+def test_triton_attention_matches_sdpa_on_packed_flow_layouts(chunk):
+    rng = np.random.default_rng(chunk)
+    gen = torch.Generator().manual_seed(chunk)
+    lay = pack(_rows(rng, chunk, 3 if chunk > 32 else 6), conv_gap=3)
+    assert len(lay.pool) and len(lay.self)
+    n = lay.tokens
+    q, k, v = _qkv(n, gen)
+    # Tiles sized to the chunk (one or two chunks a tile) and smaller than it (chunks span tiles).
+    tilings = ((16, False), (32, True)) if chunk < 32 else ((32, False), (128, True))
+    _check(lay.self, q, k, v, tilings=tilings)  # keys: the call's own tokens (full rows and uncached chunks)
+    # Pool launch: keys in place in an arena of two (step, layer) slots, read from the second.
+    slot = 2 * 10 * chunk * 6 + 1
+    arena = torch.randn(2 * slot, 2, HEADS, DH, generator=gen).unbind(1)
+    _check(lay.pool, q, *arena, keys_at=torch.tensor([0, slot]), tilings=tilings)
+
+
+def test_triton_attention_on_random_overlapping_ragged_and_empty_subsequences():
+    """Arbitrary key ranges (overlapping, ragged, different starts within one run of tokens),
+    empty sub-sequences, gaps of tokens no sub-sequence covers; padded to a graph bucket."""
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(7)
+    q_len = rng.integers(0, 40, size=12)
+    q_len[[2, 9]] = 0
+    gaps = rng.integers(0, 3, size=12)
+    q_start = np.cumsum(gaps + np.concatenate(([0], q_len[:-1])))
+    k_len = rng.integers(1, 90, size=12)
+    k_start = rng.integers(0, 30, size=12)
+    k_start[4] = k_start[3]  # adjacent sub-sequences with one key start: merged into shared tiles
+    seqs = SubSeqs(q_start, q_len, k_start, k_len)
+    n = int(q_start[-1] + q_len[-1]) + 5
+    q = _qkv(n, gen)[0]
+    k, v = torch.randn(120, 2, HEADS, DH, generator=gen).unbind(1)
+    _check(seqs, q, k, v)
+    _check(seqs, q, k, v, tilings=((32, True),), n_seqs=20, max_q=64, max_k=128)
+
+
+def test_bucket_padding_fixes_the_tile_count():
+    """A graph replays one grid: the tile table's size depends on the bucket alone."""
+    seqs = SubSeqs(np.array([0, 50, 100]), np.array([50, 50, 30]), np.array([0, 0, 7]), np.array([300, 350, 40]))
+    b = TritonBackend(block_m=64, merge=True)
+    fewer = SubSeqs(seqs.q_start[:1], seqs.q_len[:1], seqs.k_start[:1], seqs.k_len[:1])
+    shapes = {b.prepare(s, 200, "cpu", n_seqs=7, max_q=50, max_k=500).tensors["tiles"].shape for s in (seqs, fewer)}
+    assert shapes == {(max_tiles(7, 50, 200, 64), 4)}
+    with pytest.raises(ValueError, match="bucket"):
+        b.prepare(seqs, 200, "cpu", n_seqs=2, max_q=50, max_k=500)
+
+
+def test_triton_is_a_codec_attention_choice():
+    from cosybatch.profiles import load_profile
+
+    assert load_profile("default", ["codec.attention=triton"]).codec.attention == "triton"
+    assert make_backend("triton", "cpu", torch.float32).name == "triton"  # the interpreter runs it here
