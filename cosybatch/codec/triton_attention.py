@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cosybatch.hostcopy import h2d
+from cosybatch.gpu.hostcopy import h2d
 from cosybatch.codec.packing import SubSeqs
 
 LOG2E = 1.4426950408889634
