@@ -14,6 +14,7 @@
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside, in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2 (two keys at once)
+#        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
 set -uo pipefail
@@ -71,7 +72,7 @@ PY
 for step in "$@"; do
   case $step in
     tests) setup; log "pytest -m gpu"
-      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl COSYBATCH_FRONTEND_DIR=$CKPT timeout 420 python3 -m pytest -q -rs -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
+      COSYBATCH_PARITY_LOG=$OUT/parity.jsonl COSYBATCH_FRONTEND_DIR=$CKPT timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu -p no:cacheprovider -s tests > "$OUT/gpu_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/gpu_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|agree|flip|dB" "$OUT/gpu_tests.txt" | tail -40 ;;
     codec) log "bench_codec"
       timeout 400 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants eager,graphs \
@@ -129,6 +130,10 @@ for step in "$@"; do
         prof "$c-deadline-beside" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=500 --set scheduler.ar_stream=beside
       done ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
+    c32base=*|c64seedbase=*) setup; d=${step#*=}  # the same run with the cosybatch package in DIR (another commit)
+      [ -d "$d/cosybatch" ] || { log "$step: $d/cosybatch not found"; continue; }
+      c=${step%%base=*}; n=${c//[^0-9]/}
+      ( cd "$d" && prof "$c-base" packed_streaming_optimized_standard $n 1088 64 ) ;;
     base) setup; log "baseline ad1324d: seed profile C32"
       rm -rf /tmp/base && mkdir -p /tmp/base && git archive ad1324d | tar -x -C /tmp/base || exit 1
       ( cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/site && export PYTHONPATH &&
