@@ -420,3 +420,30 @@ def test_cli_flac_16k_at_minus_23_lufs(tmp_path):
         assert abs(_lufs(y, sr) + 23) <= 0.5
     timing = json.loads((out / "timing.json").read_text())
     assert timing["settings"]["format"] == "flac" and timing["settings"]["output_sample_rate"] == 16000
+
+
+# ---- the Ray stage commits and fingerprints rows exactly as synth does -------------------------
+
+def test_a_ray_actors_flac_rows_are_resumed_by_synth_and_a_format_change_refused(tmp_path):
+    """The actor side without Ray: SynthStage writes FLAC at 16 kHz into its ledger part; plain
+    ``synth`` with the same settings skips those rows, and with WAV refuses to mix."""
+    pa = pytest.importorskip("pyarrow")
+    from cosybatch.run.options import SynthOptions
+    from cosybatch.run.ray.stage import SynthStage
+
+    man = make_manifest(tmp_path, 2)
+    rows = [line.split("|") for line in Path(man).read_text().splitlines()]
+    out = tmp_path / "out"
+    out.mkdir()
+    opts = SynthOptions("fake", factory="fake_synth:build", out_format="flac", sample_rate=16000)
+    stage = SynthStage(opts, str(out), "cpu", base_dir=str(Path(man).parent))
+    got = stage(pa.table({"utt_id": [rows[0][0]], "prompt_text": [rows[0][1]], "prompt_wav": [rows[0][2]],
+                          "target_text": [rows[0][3]], "line": [1]}))
+    assert got.column("status").to_pylist() == ["ok"]
+    assert got.column("file").to_pylist() == [str(out / "u0.flac")] == got.column("wav").to_pylist()
+    assert sf.info(str(out / "u0.flac")).samplerate == 16000
+    calls = tmp_path / "calls.txt"
+    rep = _run(man, FakeSynth(model="fake", calls_file=str(calls)), out, audio_format=opts.audio_format())
+    assert rep.exit_code == 0 and rep.totals["skipped"] == 1 and calls.read_text().split() == ["u1"]
+    with pytest.raises(SettingsChanged, match="refusing to mix outputs"):
+        _run(man, FakeSynth(model="fake"), out, audio_format=AudioFormat(sample_rate=16000))
