@@ -166,7 +166,6 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
             raise SettingsChanged(changed_message(plan, records, fp, out))
         invalid = manifest.problems_by_line() if shard.index == 0 else {}
         warn_if_short_of_space(out, plan.todo, native_rate, audio)
-        audio.prepare()
         return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, audio,
                     shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
 
@@ -289,6 +288,13 @@ class _Run:
             for line, probs in self.invalid.items():
                 ledger.append({"event": "invalid", "utt_id": probs[0].utt_id, "line": line,
                                "status": "invalid", "reason": "; ".join(p.reason for p in probs)})
+        # The encoders' imports (about a second, scipy) happen here, not in the first row's commit
+        # where they would hold back every row behind it; after run_start, so that the parent of
+        # --devices workers sees each worker start as soon as it has; before the rows' window
+        # opens, so throughput is not charged with them.
+        self.audio.prepare()
+        self.t_start = time.time()
+        with intr.commit():
             self.timing.write(self.timing_doc(False))
 
     def _rows_loop(self, ledger: Ledger) -> None:
