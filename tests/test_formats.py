@@ -424,12 +424,17 @@ def test_cli_flac_16k_at_minus_23_lufs(tmp_path):
 
 # ---- the Ray stage commits and fingerprints rows exactly as synth does -------------------------
 
-def test_a_ray_actors_flac_rows_are_resumed_by_synth_and_a_format_change_refused(tmp_path):
+def test_a_ray_actors_flac_rows_are_resumed_by_synth_and_a_format_change_refused(tmp_path, monkeypatch):
     """The actor side without Ray: SynthStage writes FLAC at 16 kHz into its ledger part; plain
     ``synth`` with the same settings skips those rows, and with WAV refuses to mix."""
     pa = pytest.importorskip("pyarrow")
     from cosybatch.run.options import SynthOptions
+    from cosybatch.run.ray import stage as stage_mod
     from cosybatch.run.ray.stage import SynthStage
+
+    # asking Ray for the actor id would start a local Ray in this process (and test_ray's own
+    # ray.init would then fail): this test is about the commit, not the id
+    monkeypatch.setattr(stage_mod, "_actor_id", lambda: "test-actor")
 
     man = make_manifest(tmp_path, 2)
     rows = [line.split("|") for line in Path(man).read_text().splitlines()]
