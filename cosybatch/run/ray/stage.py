@@ -4,7 +4,8 @@
 "pyarrow"``). Each actor builds its engine once, commits rows exactly as ``synth`` does
 (``cosybatch.output.rows``: the audio file atomically, then its ledger line) and appends to
 its own ledger part, ``ledger.ray-<actor id>.jsonl``, in the record shape ``runner`` writes,
-so resume, ``check`` and ``merge`` read a Ray run like any other. It returns the input batch with result columns added, one output row per input row.
+so resume, ``check`` and ``merge`` read a Ray run like any other. It returns the input batch
+with result columns added, one output row per input row.
 
 Ray's fault tolerance does the rest: an actor whose process dies is restarted (same actor
 id, so the same ledger part) and its batch retried; the new incarnation first reads its part
