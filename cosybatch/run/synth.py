@@ -6,8 +6,8 @@ The synthesizer is anything with ``sample_rate``, ``fingerprint() -> dict``,
 ``sample_rate``, ``tokens``, ``timings`` and ``chunks`` attributes.
 
 How a run ends, whatever happens: a row that fails (an exception, non-finite or empty
-audio, an audio file that cannot be encoded or written) is recorded and the others go on; SIGINT/SIGTERM drop
-the rows in flight and keep every finished one; a full disk (``writer.OutputFault``) stops
+audio, an audio file that cannot be encoded or written) is recorded and the others go on;
+SIGINT/SIGTERM drop the rows in flight and keep every finished one; a full disk (``writer.OutputFault``) stops
 the run with one log line. Each way, the ledger's last line and timing.json are written
 when the disk allows and the summary is printed. The synthesizer is not closed here: its
 builder (the CLI) does that, on every path.
