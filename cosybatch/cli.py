@@ -34,7 +34,7 @@ from cosybatch.run.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USA
 from cosybatch.run.synth import RunError, run_synth
 from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env
 from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
-from cosybatch.output.audio_files import WAV_SUBTYPES
+from cosybatch.output.audio_files import FORMATS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, WAV_SUBTYPES, AudioFormat
 
 log = logging.getLogger("cosybatch.cli")
 
@@ -181,11 +181,39 @@ def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str
     raise click.BadParameter("expected cpu, cuda, cuda:N or auto")
 
 
-def _check_subtype(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _check_subtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:  # not given: PCM_16 for wav; given with another format, refused
+        return None
     v = value.strip().upper()
     if v in WAV_SUBTYPES:
         return v
     raise click.BadParameter(f"{value!r}: expected one of {', '.join(WAV_SUBTYPES)}")
+
+
+def _audio_format(fmt: str, wav_subtype: str | None, sample_rate: str | None, loudness: str | None) -> AudioFormat:
+    """The output settings, or one line and exit 2: checked here, before any model work (and
+    libsndfile asked whether it can write that format at that rate)."""
+    fmt = fmt.strip().lower()
+    if fmt != "wav" and wav_subtype is not None:
+        _fail(f"--wav-subtype {wav_subtype} applies to --format wav only ({fmt} has its own encoding); drop it")
+    rate = None
+    if sample_rate is not None:
+        try:
+            rate = int(sample_rate.strip())
+        except ValueError:
+            _fail(f"--sample-rate {sample_rate!r}: expected a whole number of Hz, "
+                  f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}")
+    lufs = None
+    if loudness is not None:
+        try:
+            lufs = float(loudness.strip())
+        except ValueError:
+            _fail(f"--loudness {loudness!r}: expected a number of LUFS, e.g. -23")
+    audio = AudioFormat(fmt, wav_subtype or "PCM_16", rate, lufs)
+    problem = audio.problem()
+    if problem:
+        _fail(problem)
+    return audio
 
 
 def _check_overrides(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
@@ -207,12 +235,20 @@ def cli() -> None:
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Checkpoint directory or Hugging Face repo id (local cache only).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder: <utt_id>.wav, ledger.jsonl, timing.json.")
+              help="Output folder: <utt_id>.<format>, ledger.jsonl, timing.json.")
 @click.option("--stream/--no-stream", default=None,
               help="Streaming (chunked) synthesis. Default: the profile's mode (full for `default`).")
 @click.option("--device", default="auto", show_default=True, callback=_check_device, help="cpu, cuda, cuda:N or auto.")
-@click.option("--wav-subtype", default="PCM_16", show_default=True, metavar="[PCM_16|FLOAT]",
-              callback=_check_subtype, help="16-bit integer or 32-bit float samples.")
+@click.option("--format", "out_format", default="wav", show_default=True, metavar="|".join(FORMATS),
+              help="Audio file format: WAV, FLAC (16-bit), Ogg Vorbis, Ogg Opus or MP3 (all but WAV "
+                   "through libsndfile).")
+@click.option("--wav-subtype", default=None, metavar="[PCM_16|FLOAT]", callback=_check_subtype,
+              help="WAV samples: 16-bit integer (default) or 32-bit float; --format wav only.")
+@click.option("--sample-rate", default=None, metavar="HZ",
+              help="Resample every file to HZ (band-limited, soxr). Default: the model's rate (24000).")
+@click.option("--loudness", default=None, metavar="LUFS",
+              help="Normalize each file to this integrated loudness (ITU-R BS.1770), never past a "
+                   "-1 dBFS sample peak. Default: as synthesized.")
 @click.option("--profile", default=None, help="Profile name or YAML path.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", callback=_check_overrides,
               help="Override a profile setting (repeatable).")
@@ -238,18 +274,21 @@ def cli() -> None:
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging with tracebacks.")
 @click.option("--synthesizer", "factory", default=DEFAULT_FACTORY, hidden=True)
 @_interruptible
-def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device: str, wav_subtype: str,
+def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device: str, out_format: str,
+          wav_subtype: str | None, sample_rate: str | None, loudness: str | None,
           profile: str | None, overrides: list[str], strict: bool, overwrite: bool,
           shard_spec: str | None, devices: str | None, workers: int | None, ray_address: str | None,
           prompt_cache: Path | None, force_length: bool, quiet: bool, verbose: bool, factory: str) -> None:
     """Synthesize every row of MANIFEST (utt_id|prompt_text|prompt_wav|target_text) into OUT.
 
-    Writes OUT/<utt_id>.wav, OUT/ledger.jsonl and OUT/timing.json. Re-running the same
+    Writes OUT/<utt_id>.wav (or .flac, .ogg, .opus, .mp3: --format), OUT/ledger.jsonl and
+    OUT/timing.json. Re-running the same
     command resumes. Exit codes: 0 all rows fine, 1 some rows failed or were invalid, or
     the disk filled (one line names the file; the rows done are kept), 2 usage or
     configuration error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
     """
     setup_logging(verbose, quiet)
+    audio = _audio_format(out_format, wav_subtype, sample_rate, loudness)
     if ray_address is not None:
         from cosybatch.run.ray.driver import ray_missing
 
@@ -260,9 +299,10 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     man = _load_manifest(manifest)
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
-    opts = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
+    opts = SynthOptions(model, profile, tuple(overrides), stream, audio.wav_subtype, overwrite, factory,
                         tuple(sys.argv[1:]), force_length=force_length,
-                        prompt_cache=str(prompt_cache) if prompt_cache else None)
+                        prompt_cache=str(prompt_cache) if prompt_cache else None,
+                        out_format=audio.format, sample_rate=audio.sample_rate, loudness=audio.loudness)
     if ray_address is not None or devices is not None or workers is not None:
         if ray_address is not None:
             from cosybatch.run.ray.driver import run_on_ray
@@ -281,7 +321,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
     with _closing(synthesizer):
         try:
-            report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), wav_subtype=wav_subtype,
+            report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), audio_format=audio,
                                overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
         except RunError as e:
             _fail(str(e))

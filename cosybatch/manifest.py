@@ -14,7 +14,8 @@ from pathlib import Path
 
 MIN_PROMPT_SR = 16000
 MAX_PROMPT_SECONDS = 30.0
-# Leaves room for ".wav" and the writer's temp-file decoration inside NAME_MAX (255 bytes).
+# Leaves room for the audio suffix (".flac" at most) and the writer's temp-file decoration
+# inside NAME_MAX (255 bytes).
 MAX_UTT_ID_BYTES = 200
 _REQUIRED = ("utt_id", "prompt_text", "prompt_wav", "target_text")
 _BOM = b"\xef\xbb\xbf"
@@ -76,7 +77,7 @@ class PromptInfo:
 
 
 def unsafe_id_reason(utt_id: str) -> str | None:
-    """Why ``utt_id`` cannot be used as ``OUT/<utt_id>.wav``, or None when it can."""
+    """Why ``utt_id`` cannot be used as a file name in OUT (``<utt_id>.wav`` and the like), or None."""
     if "/" in utt_id or "\\" in utt_id:
         return "contains a path separator"
     if ".." in utt_id:

@@ -41,7 +41,8 @@ def test_help_is_fast_and_hides_the_test_hook():
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and time.perf_counter() - t0 < 10
     for opt in ("--model", "--out", "--stream / --no-stream", "--device", "--wav-subtype", "--profile", "--set",
-                "--strict", "--overwrite", "--shard", "--quiet", "--verbose"):
+                "--strict", "--overwrite", "--shard", "--quiet", "--verbose", "--format", "--sample-rate",
+                "--loudness"):
         assert opt in res.stdout
     assert "--synthesizer" not in res.stdout
     assert "FunAudioLLM/Fun-CosyVoice3-0.5B-2512" in res.stdout

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cosybatch.output import rows as rows_mod
 from cosybatch.output.timing import TimingWriter
 from cosybatch.run import disk_estimate
 from cosybatch.run import synth as runner_mod
@@ -74,7 +75,8 @@ def test_all_rows_written_as_utt_id_wav_with_ledger_and_timing(tmp_path):
     t = json.loads((out / "timing.json").read_text())
     assert t["complete"] is True and t["model"] == "fake" and t["device"] == "cpu"
     assert t["versions"]["fake"] == "1" and "numpy" in t["versions"]
-    assert t["settings"] == {"stream": False, "wav_subtype": "FLOAT", "sample_rate": 24000}
+    assert t["settings"] == {"stream": False, "wav_subtype": "FLOAT", "sample_rate": 24000, "format": "wav",
+                             "output_sample_rate": 24000, "loudness_lufs": None}
     r0 = t["rows"][0]
     assert r0["utt_id"] == "u0" and r0["prompt_s"] == 1.0 and r0["tokens"] == len("Hello there, this is row 0.")
     assert r0["audio_s"] == pytest.approx(len(expected_audio("u0", "Hello there, this is row 0.")) / 24000)
@@ -470,7 +472,7 @@ def test_rows_are_committed_while_the_synthesizer_goes_on(tmp_path, monkeypatch)
     man = make_manifest(tmp_path, 4)
     asked_again = threading.Event()
     waited = []
-    real_write = runner_mod.write_wav_atomic
+    real_write = rows_mod.write_audio_atomic
 
     def write_when_asked_again(*a, **kw):
         if not waited:
@@ -484,7 +486,7 @@ def test_rows_are_committed_while_the_synthesizer_goes_on(tmp_path, monkeypatch)
                     asked_again.set()
                 yield row, FakeSynth.synthesize(self, row, stream)
 
-    monkeypatch.setattr(runner_mod, "write_wav_atomic", write_when_asked_again)
+    monkeypatch.setattr(rows_mod, "write_audio_atomic", write_when_asked_again)
     out = tmp_path / "out"
     rep = _run(man, Batch(), out)
     assert waited == [True]

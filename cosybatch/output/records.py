@@ -44,8 +44,9 @@ def base_record(row: ManifestRow, fp_sha: str) -> dict[str, Any]:
 
 
 def ok_record(row: ManifestRow, res: Any, elapsed: float | None, fp_sha: str) -> tuple[dict[str, Any], np.ndarray]:
-    """(the row's ok record without ``wav_bytes``, its samples) from a ``RowResult``-like
-    result; raises for a result that cannot be written (the row then fails alone)."""
+    """(the row's ok record without its file, its samples) from a ``RowResult``-like result;
+    raises for a result that cannot be written (the row then fails alone). ``output.rows``
+    adds the file's name, size, format, rate and loudness."""
     audio = check_audio(res.audio)
     sr = int(res.sample_rate)
     if sr <= 0:
@@ -54,7 +55,7 @@ def ok_record(row: ManifestRow, res: Any, elapsed: float | None, fp_sha: str) ->
     timings = {k: finite(v) for k, v in dict(res.timings or {}).items()}
     if timings.get("total_s") is None and elapsed is not None:
         timings["total_s"] = elapsed
-    rec = {**base_record(row, fp_sha), "status": "ok", "wav": f"{row.utt_id}.wav", "sample_rate": sr,
+    rec = {**base_record(row, fp_sha), "status": "ok", "sample_rate": sr,
            "audio_s": round(len(audio) / sr, 6), "tokens": tokens, "chunks": chunks,
            "prompt_s": round(row.prompt_s, 4), "timings": timings}
     return rec, audio

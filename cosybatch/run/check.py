@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cosybatch.manifest import Manifest, ManifestRow
+from cosybatch.output.audio_files import audio_name
 from cosybatch.run.resume import finished_rows
 from cosybatch.run.sharding import Shard, estimated_cost
 
@@ -49,6 +50,6 @@ def describe_plan(man: Manifest, rows: list[ManifestRow], shard: Shard, out_dir:
         todo -= done
         lines.append(f"{out_dir}: {done} row(s) already done with the same inputs "
                      "(skipped if the model and settings also match)")
-    lines.append(f"synth would synthesize {todo} row(s) into <out>/<utt_id>.wav"
+    lines.append(f"synth would synthesize {todo} row(s) into <out>/{audio_name('<utt_id>')} (or --format's suffix)"
                  + (f" and skip {bad_lines} invalid line(s)" if bad_lines else ""))
     return lines

@@ -9,7 +9,7 @@ from typing import Any
 
 from cosybatch.manifest import ManifestRow
 from cosybatch.atomic import free_bytes
-from cosybatch.output.audio_files import wav_size
+from cosybatch.output.audio_files import AudioFormat
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +28,27 @@ def estimated_audio_s(text: str) -> float:
     return _PAD_S + (len(text) - cjk) / _CHARS_PER_S + cjk / _CJK_PER_S
 
 
-def estimated_output_bytes(rows: list[ManifestRow], sample_rate: int, subtype: str) -> tuple[int, float]:
-    """(bytes, audio seconds) this run is likely to write into OUT."""
-    audio = [estimated_audio_s(r.target_text) for r in rows]
-    wavs = sum(wav_size(int(a * sample_rate), subtype) for a in audio)
-    return wavs + len(rows) * _RECORD_BYTES_PER_ROW, sum(audio)
+def estimated_output_bytes(rows: list[ManifestRow], sample_rate: int, audio: AudioFormat | str) -> tuple[int, float]:
+    """(bytes, audio seconds) this run is likely to write into OUT; ``sample_rate``: the
+    synthesizer's; ``audio``: the files' settings (or a WAV subtype, for a plain WAV run). The
+    audio files' size is the format's own estimate (exact for WAV, an upper bound otherwise)."""
+    fmt = AudioFormat(wav_subtype=audio) if isinstance(audio, str) else audio
+    seconds = [estimated_audio_s(r.target_text) for r in rows]
+    files = sum(fmt.estimated_bytes(a, sample_rate) for a in seconds)
+    return files + len(rows) * _RECORD_BYTES_PER_ROW, sum(seconds)
 
 
-def warn_if_short_of_space(out: Path, rows: list[ManifestRow], sample_rate: Any, subtype: str) -> None:
+def warn_if_short_of_space(out: Path, rows: list[ManifestRow], sample_rate: Any, audio: AudioFormat | str) -> None:
     free = free_bytes(out)
     if free is None or not rows or not isinstance(sample_rate, int) or sample_rate <= 0:
         return
-    need, audio_s = estimated_output_bytes(rows, sample_rate, subtype)
+    fmt = AudioFormat(wav_subtype=audio) if isinstance(audio, str) else audio
+    need, audio_s = estimated_output_bytes(rows, sample_rate, fmt)
     if need > free:
+        kind = fmt.wav_subtype if fmt.format == "wav" else fmt.format.upper()
         log.warning("%s has %s free, but %d row(s) need about %s (~%.0f s of %s audio at %d Hz, estimated from "
                     "text length); the run stops cleanly when the disk fills", out, _mb(free), len(rows),
-                    _mb(need), audio_s, subtype, sample_rate)
+                    _mb(need), audio_s, kind, fmt.output_rate(sample_rate))
 
 
 def _mb(n: int) -> str:

@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosybatch.output.audio_files import AudioFormat
+
 DEFAULT_FACTORY = "cosybatch.synthesizers:build_synthesizer"
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,14 @@ class SynthOptions:
     argv: tuple[str, ...] = field(default=(), compare=False)
     force_length: bool = False
     prompt_cache: str | None = None
+    # the files: format (wav_subtype applies to wav only), rate (None: the synthesizer's), LUFS target
+    out_format: str = "wav"
+    sample_rate: int | None = None
+    loudness: float | None = None
+
+    def audio_format(self) -> AudioFormat:
+        """The output settings every way of running writes with (and fingerprints)."""
+        return AudioFormat(self.out_format, self.wav_subtype, self.sample_rate, self.loudness)
 
     def load_factory(self):
         import importlib

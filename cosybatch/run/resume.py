@@ -1,9 +1,10 @@
 """Deciding which rows a re-run may skip, and explaining a change of settings.
 
-A row is done when its WAV is intact (size recorded in the ledger) and its latest ledger
-record is 'ok' for the same inputs (texts, prompt path, size, mtime) and the same
-settings fingerprint. Same inputs under different settings is the dangerous case:
-silently redoing some rows would mix two models' outputs in one folder.
+A row is done when its audio file is intact (size recorded in the ledger) and its latest
+ledger record is 'ok' for the same inputs (texts, prompt path, size, mtime) and the same
+settings fingerprint (``cosybatch.output.rows`` decides the first two, for every way of
+running). Same inputs under different settings is the dangerous case: silently redoing some
+rows would mix two models' (or two formats') outputs in one folder.
 """
 
 from __future__ import annotations
@@ -15,13 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from cosybatch.manifest import ManifestRow
+from cosybatch.output.audio_files import AudioFormat
 from cosybatch.output.ledger import latest_rows, read_ledgers
-from cosybatch.output.records import input_key
+from cosybatch.output.rows import finished_with_inputs
+
+__all__ = ["fingerprint_sha", "run_fingerprint", "explain_change", "ResumePlan", "finished_with_inputs",
+           "finished_rows", "plan_resume", "changed_message"]
 
 
 def fingerprint_sha(fp: dict[str, Any]) -> str:
     blob = json.dumps(fp, sort_keys=True, ensure_ascii=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_fingerprint(synth_fp: dict[str, Any], stream: bool, audio: AudioFormat,
+                    native_rate: int | None) -> dict[str, Any]:
+    """Everything that changes a run's files: the synthesizer's own fingerprint, the mode, and the
+    output format, rate and loudness. ``synth`` and the Ray stage both use this, so either resumes
+    the other's OUT."""
+    return {**synth_fp, "stream": bool(stream), **audio.fingerprint(native_rate)}
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -46,17 +59,7 @@ def explain_change(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]
 class ResumePlan:
     todo: list[ManifestRow]
     done: dict[str, dict[str, Any]]  # utt_id -> its earlier ok ledger record
-    changed: dict[str, str]  # utt_id -> fingerprint sha its WAV was made with
-
-
-def finished_with_inputs(row: ManifestRow, rec: dict[str, Any], out_dir: Path) -> bool:
-    """The row's latest ledger record is ok, for these inputs, and its WAV is intact."""
-    if rec.get("status") != "ok" or rec.get("input") != input_key(row):
-        return False
-    try:
-        return (out_dir / f"{row.utt_id}.wav").stat().st_size == rec.get("wav_bytes")
-    except OSError:
-        return False
+    changed: dict[str, str]  # utt_id -> fingerprint sha its file was made with
 
 
 def finished_rows(rows: list[ManifestRow], out_dir: Path,
@@ -78,7 +81,7 @@ def plan_resume(rows: list[ManifestRow], out_dir: Path, fp_sha: str, overwrite: 
             plan.todo.append(row)
             continue
         if not finished_with_inputs(row, rec, out_dir):
-            plan.todo.append(row)  # new inputs (or a missing WAV): redoing mixes nothing
+            plan.todo.append(row)  # new inputs (or a missing file): redoing mixes nothing
         elif rec.get("fp") != fp_sha:
             plan.changed[row.utt_id] = str(rec.get("fp"))
             plan.todo.append(row)

@@ -6,8 +6,8 @@ The synthesizer is anything with ``sample_rate``, ``fingerprint() -> dict``,
 ``sample_rate``, ``tokens``, ``timings`` and ``chunks`` attributes.
 
 How a run ends, whatever happens: a row that fails (an exception, non-finite or empty
-audio, a WAV that cannot be written) is recorded and the others go on; SIGINT/SIGTERM drop
-the rows in flight and keep every finished one; a full disk (``writer.OutputFault``) stops
+audio, an audio file that cannot be encoded or written) is recorded and the others go on;
+SIGINT/SIGTERM drop the rows in flight and keep every finished one; a full disk (``writer.OutputFault``) stops
 the run with one log line. Each way, the ledger's last line and timing.json are written
 when the disk allows and the summary is printed. The synthesizer is not closed here: its
 builder (the CLI) does that, on every path.
@@ -35,12 +35,13 @@ from cosybatch.run.exits import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_exi
 from cosybatch.run.interrupts import DeferredInterrupts
 from cosybatch.manifest import Manifest, ManifestRow
 from cosybatch.run.progress import RunProgress, print_summary, stderr_console
-from cosybatch.run.resume import ResumePlan, changed_message, fingerprint_sha, plan_resume
-from cosybatch.output.records import base_record, ok_record, one_by_one
+from cosybatch.run.resume import ResumePlan, changed_message, fingerprint_sha, plan_resume, run_fingerprint
+from cosybatch.output.records import base_record, one_by_one
+from cosybatch.output.rows import RowFailed, finish_row
 from cosybatch.run.sharding import ALL, Shard, select
 from cosybatch.output.write_behind import WriteBehind
-from cosybatch.atomic import OutputFault, remove_quietly, remove_stale_tmp
-from cosybatch.output.audio_files import WAV_SUBTYPES, write_wav_atomic
+from cosybatch.atomic import OutputFault, remove_stale_tmp
+from cosybatch.output.audio_files import AudioFormat
 from cosybatch.output.ledger import Ledger, read_ledgers
 from cosybatch.output.timing import TIMING_SCHEMA, TimingWriter, rates
 
@@ -129,17 +130,21 @@ def _iso(t: float) -> str:
 
 
 def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
-              wav_subtype: str = "PCM_16", overwrite: bool = False, strict: bool = False,
-              shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
+              wav_subtype: str = "PCM_16", audio_format: AudioFormat | None = None, overwrite: bool = False,
+              strict: bool = False, shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
               timing_interval_s: float = 10.0, console: Any = None) -> RunReport:
     """Synthesize this shard's valid rows into ``out_dir``; returns the exit code to use.
 
-    Raises RunError (exit code 2) for problems found before any row runs: a busy OUT,
-    settings that differ from the WAVs already there, a bad wav subtype.
+    ``audio_format``: the files' format, rate and loudness (default: WAV of ``wav_subtype`` at the
+    synthesizer's rate). Raises RunError (exit code 2) for problems found before any row runs: a
+    busy OUT, settings that differ from the files already there, an unusable format or rate.
     """
     out = Path(out_dir)
-    if wav_subtype not in WAV_SUBTYPES:
-        raise RunError(f"--wav-subtype {wav_subtype!r}: expected one of {', '.join(WAV_SUBTYPES)}")
+    audio = audio_format if audio_format is not None else AudioFormat(wav_subtype=wav_subtype)
+    native_rate = getattr(synth, "sample_rate", None)
+    problem = audio.problem() or audio.problem_at(native_rate if isinstance(native_rate, int) else None)
+    if problem:
+        raise RunError(problem)
     if strict and manifest.problems:
         raise RunError(f"--strict: {len(manifest.problems)} problem(s) in {manifest.path}; nothing was run")
     try:
@@ -153,15 +158,15 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
         if stale:
             log.info("removed %d temp file(s) left by an interrupted run", stale)
         rows = select(manifest.rows, shard)
-        fp = {**synth.fingerprint(), "stream": bool(stream), "wav_subtype": wav_subtype}
+        fp = run_fingerprint(synth.fingerprint(), stream, audio, native_rate)
         fp_sha = fingerprint_sha(fp)
         records = read_ledgers(out)
         plan = plan_resume(rows, out, fp_sha, overwrite, records)
         if plan.changed:
             raise SettingsChanged(changed_message(plan, records, fp, out))
         invalid = manifest.problems_by_line() if shard.index == 0 else {}
-        warn_if_short_of_space(out, plan.todo, getattr(synth, "sample_rate", None), wav_subtype)
-        return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, wav_subtype,
+        warn_if_short_of_space(out, plan.todo, native_rate, audio)
+        return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, audio,
                     shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
 
 
@@ -176,7 +181,7 @@ class _Run:
     fp_sha: str
     invalid: dict[int, list[Any]]  # manifest line -> its problems (only the shard that reports them)
     stream: bool
-    wav_subtype: str
+    audio: AudioFormat
     shard: Shard
     quiet: bool
     argv: list[str] | None
@@ -240,8 +245,8 @@ class _Run:
                 "model": sys_info.pop("model"), "device": sys_info.pop("device"),
                 "versions": sys_info.pop("versions"), "system": sys_info,
                 "shard": {"index": self.shard.index, "count": self.shard.count},
-                "settings": {"stream": self.stream, "wav_subtype": self.wav_subtype,
-                             "sample_rate": getattr(self.synth, "sample_rate", None)},
+                "settings": {"stream": self.stream, "sample_rate": getattr(self.synth, "sample_rate", None),
+                             **self.audio.settings(getattr(self.synth, "sample_rate", None))},
                 "fingerprint": self.fp, "fingerprint_sha": self.fp_sha,
                 "started": _iso(self.t_start), "updated": _iso(time.time()),
                 "totals": self.totals(),
@@ -283,10 +288,17 @@ class _Run:
             for line, probs in self.invalid.items():
                 ledger.append({"event": "invalid", "utt_id": probs[0].utt_id, "line": line,
                                "status": "invalid", "reason": "; ".join(p.reason for p in probs)})
+        # The encoders' imports (about a second, scipy) happen here, not in the first row's commit
+        # where they would hold back every row behind it; after run_start, so that the parent of
+        # --devices workers sees each worker start as soon as it has; before the rows' window
+        # opens, so throughput is not charged with them.
+        self.audio.prepare()
+        self.t_start = time.time()
+        with intr.commit():
             self.timing.write(self.timing_doc(False))
 
     def _rows_loop(self, ledger: Ledger) -> None:
-        """Rows are committed (WAV, ledger line, timing.json now and then) on a writer thread,
+        """Rows are committed (audio file, ledger line, timing.json now and then) on a writer thread,
         in the order they finish, so their fsyncs overlap the synthesizer's next steps. Any way
         out of here first commits every row already finished (``WriteBehind.__exit__``);
         closing() then finishes the synthesizer's generator, not garbage collection later."""
@@ -376,27 +388,17 @@ class _Run:
         yield from one_by_one(self.synth, todo, self.stream)
 
     def _commit(self, row: ManifestRow, res: Any, elapsed: float | None, ledger: Ledger, bar: RunProgress) -> None:
-        """On the writer thread, where no signal arrives: a row's WAV, its ledger line and its
-        counts are never separated by an interrupt."""
-        if isinstance(res, BaseException):
-            self._failed(row, res, ledger, bar)
-            return
+        """On the writer thread, where no signal arrives: a row's file, its ledger line and its
+        counts are never separated by an interrupt. A full disk (OutputFault) stops the run."""
         try:
-            rec, audio = ok_record(row, res, elapsed, self.fp_sha)
-        except Exception as e:
-            self._failed(row, e, ledger, bar)
+            rec = finish_row(self.out, row, res, elapsed, self.fp_sha, self.audio, ledger, self.shard.tag)
+        except RowFailed as e:
+            self._failed(row, e.error, ledger, bar)
             return
-        sr, tokens, timings = rec["sample_rate"], rec["tokens"], rec["timings"]
-        audio_s = len(audio) / sr
-        try:
-            rec["wav_bytes"] = write_wav_atomic(self.out / rec["wav"], audio, sr, self.wav_subtype, tag=self.shard.tag)
-        except OSError as e:  # this one file's problem; a full disk is an OutputFault and stops the run
-            self._failed(row, e, ledger, bar)
-            return
-        self._append_ok(rec, ledger)
+        audio_s, timings = rec["audio_s"], rec["timings"]
         self.counts["ok"] += 1
         self.sums["audio_s"] += audio_s
-        self.sums["tokens"] += tokens
+        self.sums["tokens"] += rec["tokens"]
         for k in TIMING_KEYS:
             if timings.get(k) is not None:
                 self.sums[k] += timings[k]
@@ -404,15 +406,6 @@ class _Run:
         self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
         log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)
-
-    def _append_ok(self, rec: dict[str, Any], ledger: Ledger) -> None:
-        try:
-            ledger.append(rec)
-        except OutputFault:
-            # The WAV is in place but its record could not be written: take the WAV back, so
-            # that a WAV under its final name always has its ok line (the re-run redoes the row).
-            remove_quietly(self.out / rec["wav"])
-            raise
 
     def _failed(self, row: ManifestRow, e: BaseException, ledger: Ledger, bar: RunProgress) -> None:
         reason = f"{type(e).__name__}: {e}"[:1000]

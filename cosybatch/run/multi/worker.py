@@ -127,8 +127,9 @@ def run(job: Job) -> int:
         return EXIT_SETUP
     _limit_threads(job.workers)
     try:
-        report = run_synth(job.manifest, synth, job.out, stream=opts.stream_for(synth), wav_subtype=opts.wav_subtype,
-                           overwrite=opts.overwrite, shard=job.shard, quiet=True, argv=list(opts.argv))
+        report = run_synth(job.manifest, synth, job.out, stream=opts.stream_for(synth),
+                           audio_format=opts.audio_format(), overwrite=opts.overwrite, shard=job.shard,
+                           quiet=True, argv=list(opts.argv))
         return report.exit_code
     except RunError as e:
         log.error("%s", e)

@@ -8,7 +8,8 @@ For people who already have a Ray pipeline::
     results.write_parquet("/shared/results")    # or iterate; nothing runs until consumed
 
 Every input row becomes one result row: the input columns plus ``status`` (ok, failed,
-invalid, or skipped when OUT already holds it), ``wav`` (its absolute path), ``audio_s``,
+invalid, or skipped when OUT already holds it), ``file`` (its audio file's absolute path; also
+as ``wav``, its name from before other formats), ``audio_s``,
 ``tokens``, ``total_s`` and ``reason``. OUT must be storage every node sees; it is laid out
 exactly as ``cosybatch synth`` leaves it, so the same OUT can be resumed, checked or merged
 with the CLI. Importing ``cosybatch`` never imports Ray; importing this module does.
@@ -30,7 +31,9 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI's message in
 from cosybatch.run.ray.stage import STOP_FILE, SynthStage
 from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions
 from cosybatch.atomic import TMP_MARK, remove_quietly
+from cosybatch.output.audio_files import AudioFormat
 from cosybatch.output.ledger import latest_rows, read_ledgers
+from cosybatch.output.rows import file_intact, recorded_file
 
 # Rows per actor call. On a GPU a call should keep the engine's admission window (hundreds of
 # rows) full for most of its length: a batch's tail runs at low concurrency.
@@ -79,19 +82,17 @@ def remove_stale_actor_tmp(out: Path) -> int:
 
 
 def done_records(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """(utt_id -> latest ok record with its WAV intact, fingerprint sha -> fingerprint of those)."""
+    """(utt_id -> latest ok record with its file intact, fingerprint sha -> fingerprint of those).
+    The stage compares each row's inputs (``output.rows.finished_with_inputs``) when it meets it."""
     if not out.is_dir():
         return {}, {}
     records = read_ledgers(out)
     done = {}
     for u, rec in latest_rows(records).items():
-        try:
-            intact = rec.get("status") == "ok" and (out / f"{u}.wav").stat().st_size == rec.get("wav_bytes")
-        except OSError:
-            intact = False
-        if intact:  # only what the actors need: each of them gets a copy
-            done[u] = {k: rec.get(k) for k in ("status", "fp", "input", "wav_bytes", "audio_s", "tokens")}
-            done[u]["timings"] = {"total_s": (rec.get("timings") or {}).get("total_s")}
+        if file_intact(out, u, rec):  # only what the actors need: each of them gets a copy
+            name, size = recorded_file(rec)
+            done[u] = {k: rec.get(k) for k in ("status", "fp", "input", "audio_s", "tokens")}
+            done[u].update(file=name, file_bytes=size, timings={"total_s": (rec.get("timings") or {}).get("total_s")})
     return done, fingerprints(records, done.values())
 
 
@@ -120,26 +121,33 @@ def synthesize(dataset: Any, *, model: str, out: str | Path, profile: str | None
                overrides: tuple[str, ...] | list[str] = (), device: str = "auto", stream: bool | None = None,
                wav_subtype: str = "PCM_16", overwrite: bool = False, base_dir: str | Path | None = None,
                batch_size: int | None = None, concurrency: int | tuple[int, int] | None = None,
-               factory: str = DEFAULT_FACTORY, **ray_remote_args: Any) -> Any:
+               factory: str = DEFAULT_FACTORY, format: str = "wav", sample_rate: int | None = None,
+               loudness: float | None = None, **ray_remote_args: Any) -> Any:
     """A lazy ``ray.data.Dataset`` of result rows for ``dataset``'s rows (see the module doc).
 
     ``dataset`` needs columns utt_id, prompt_text, prompt_wav, target_text (``line`` is kept
     in the ledger if present); relative prompt paths are read from ``base_dir`` (default:
-    the current folder). utt_ids must be unique: a row's WAV is ``out/<utt_id>.wav``.
-    ``model``, ``profile``, ``overrides``, ``stream``, ``wav_subtype`` and ``overwrite`` mean
-    what they mean to ``cosybatch synth``. ``device``: ``auto`` (one actor per GPU, or per CPU
-    on a cluster without GPUs), ``cuda`` or ``cpu``; ``concurrency`` overrides the actor
-    count (an int, or ``(min, max)``). Extra keyword arguments go to ``map_batches`` as Ray
-    remote arguments (e.g. ``max_restarts=3``, ``memory=...``, ``accelerator_type=...``).
+    the current folder). utt_ids must be unique: a row's file is ``out/<utt_id>.<format's suffix>``.
+    ``model``, ``profile``, ``overrides``, ``stream``, ``wav_subtype``, ``format``, ``sample_rate``,
+    ``loudness`` and ``overwrite`` mean what they mean to ``cosybatch synth`` (its ``--format``,
+    ``--sample-rate``, ``--loudness``); unusable output settings raise ValueError here.
+    ``device``: ``auto`` (one actor per GPU, or per CPU on a cluster without GPUs), ``cuda``
+    or ``cpu``; ``concurrency`` overrides the actor count (an int, or ``(min, max)``). Extra
+    keyword arguments go to ``map_batches`` as Ray remote arguments (e.g. ``max_restarts=3``,
+    ``memory=...``, ``accelerator_type=...``).
 
     Rows OUT already holds with the same inputs are not synthesized again (``skipped``);
     when those were made with other settings the first actor stops the run instead of
     mixing outputs (``overwrite=True`` redoes everything). ``synthesize`` reads OUT's
     ledgers once, now; run one pipeline per OUT at a time.
     """
+    problem = AudioFormat(format, wav_subtype, sample_rate, loudness).problem()
+    if problem:  # before Ray starts: a typo should cost nothing
+        raise ValueError(problem)
     if not ray.is_initialized():
         ray.init()  # what Ray Data would do on first use; the actor count depends on the cluster
-    options = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory)
+    options = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
+                           out_format=format, sample_rate=sample_rate, loudness=loudness)
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_actor_tmp(out)

@@ -253,7 +253,7 @@ class RayRun:
                "versions": {"cosybatch": __version__, "ray": _ray_version()},
                "system": {"ray_address": self.address, "actors": self.actors},
                "shard": {"index": 0, "count": 1},
-               "settings": {"stream": self.options.stream, "wav_subtype": self.options.wav_subtype},
+               "settings": {"stream": self.options.stream, **self.options.audio_format().settings(None)},
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0)),
                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "totals": totals, "rows": resumed + list(self.rows.values())}

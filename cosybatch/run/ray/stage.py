@@ -1,10 +1,11 @@
 """The stateful Ray Data stage: one synthesizer per actor, every row committed into OUT.
 
 ``SynthStage`` is the callable class given to ``Dataset.map_batches`` (``batch_format=
-"pyarrow"``). Each actor builds its engine once, writes WAVs with the same atomic writer as
-``synth`` and appends to its own ledger part, ``ledger.ray-<actor id>.jsonl``, in the record
-shape ``runner`` writes, so resume, ``check`` and ``merge`` read a Ray run like any other.
-It returns the input batch with result columns added, one output row per input row.
+"pyarrow"``). Each actor builds its engine once, commits rows exactly as ``synth`` does
+(``cosybatch.output.rows``: the audio file atomically, then its ledger line) and appends to
+its own ledger part, ``ledger.ray-<actor id>.jsonl``, in the record shape ``runner`` writes,
+so resume, ``check`` and ``merge`` read a Ray run like any other. It returns the input batch
+with result columns added, one output row per input row.
 
 Ray's fault tolerance does the rest: an actor whose process dies is restarted (same actor
 id, so the same ledger part) and its batch retried; the new incarnation first reads its part
@@ -20,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from cosybatch.manifest import ManifestRow, probe_prompt, unsafe_id_reason
-from cosybatch.run.resume import explain_change, fingerprint_sha, finished_with_inputs
-from cosybatch.output.records import base_record, ok_record, one_by_one
+from cosybatch.run.resume import explain_change, fingerprint_sha, run_fingerprint
+from cosybatch.output.records import base_record, one_by_one
+from cosybatch.output.rows import RowFailed, finish_row, finished_with_inputs, recorded_file
 from cosybatch.run.synth import SettingsChanged
 from cosybatch.run.options import SynthOptions
-from cosybatch.atomic import OutputFault, remove_quietly, remove_stale_tmp
-from cosybatch.output.audio_files import write_wav_atomic
+from cosybatch.atomic import OutputFault, remove_stale_tmp
 from cosybatch.output.ledger import Ledger, latest_rows, read_ledger
 
 log = logging.getLogger("cosybatch.run.ray.api")
@@ -36,13 +37,16 @@ INPUT_COLUMNS = ("utt_id", "prompt_text", "prompt_wav", "target_text")
 # reported what is done. The next run's driver removes it before its actors start.
 STOP_FILE = ".cosybatch-ray-stop"
 # (name, arrow type name): what every output row gains; same-named input columns are replaced.
-RESULT_COLUMNS = (("status", "string"), ("wav", "string"), ("audio_s", "float64"), ("tokens", "int64"),
-                  ("total_s", "float64"), ("reason", "string"))
+# ``file`` is the audio file's path in whatever format; ``wav`` the same, under the name it had when
+# every file was a WAV (kept for pipelines that read it).
+RESULT_COLUMNS = (("status", "string"), ("file", "string"), ("wav", "string"), ("audio_s", "float64"),
+                  ("tokens", "int64"), ("total_s", "float64"), ("reason", "string"))
 
 
-def _result(status: str, wav: str | None = None, audio_s: float | None = None, tokens: int | None = None,
+def _result(status: str, file: str | None = None, audio_s: float | None = None, tokens: int | None = None,
             total_s: float | None = None, reason: str | None = None) -> dict[str, Any]:
-    return {"status": status, "wav": wav, "audio_s": audio_s, "tokens": tokens, "total_s": total_s, "reason": reason}
+    return {"status": status, "file": file, "wav": file, "audio_s": audio_s, "tokens": tokens,
+            "total_s": total_s, "reason": reason}
 
 
 def settings_changed_message(done_fps: dict[str, Any], fp: dict[str, Any], out: Path) -> str:
@@ -57,7 +61,8 @@ def settings_changed_message(done_fps: dict[str, Any], fp: dict[str, Any], out: 
 def settings_of(synth: Any, options: SynthOptions) -> tuple[bool, dict[str, Any]]:
     """(stream, fingerprint): exactly the runner's, so `synth` resumes a Ray run's OUT and vice versa."""
     stream = options.stream_for(synth)
-    return stream, {**synth.fingerprint(), "stream": stream, "wav_subtype": options.wav_subtype}
+    native = getattr(synth, "sample_rate", None)
+    return stream, run_fingerprint(synth.fingerprint(), stream, options.audio_format(), native)
 
 
 def refuse_other_settings(done_fps: dict[str, Any], fp: dict[str, Any], out: Path, overwrite: bool) -> None:
@@ -92,6 +97,8 @@ class SynthStage:
         self.base_dir = Path(base_dir) if base_dir else Path.cwd()
         self.synth = options.build(device)
         self.stream, self.fp = settings_of(self.synth, options)
+        self.audio = options.audio_format()
+        self.audio.prepare()
         self.fp_sha = fingerprint_sha(self.fp)
         refuse_other_settings(done_fps or {}, self.fp, self.out, options.overwrite)
         self.done = done or {}
@@ -162,7 +169,7 @@ class SynthStage:
         return rec is not None and finished_with_inputs(row, rec, self.out)
 
     def _from_record(self, status: str, row: ManifestRow, rec: dict[str, Any]) -> dict[str, Any]:
-        return _result(status, str(self.out / f"{row.utt_id}.wav"), rec.get("audio_s"), rec.get("tokens"),
+        return _result(status, str(self.out / recorded_file(rec)[0]), rec.get("audio_s"), rec.get("tokens"),
                        (rec.get("timings") or {}).get("total_s"))
 
     # -- synthesis and commit ------------------------------------------------------------
@@ -192,25 +199,13 @@ class SynthStage:
             yield i, self._failed(row, reason)
 
     def _commit(self, row: ManifestRow, res: Any, elapsed: float | None) -> dict[str, Any]:
-        if isinstance(res, BaseException):
-            return self._failed(row, f"{type(res).__name__}: {res}")
-        try:
-            rec, audio = ok_record(row, res, elapsed, self.fp_sha)
-        except Exception as e:
-            return self._failed(row, f"{type(e).__name__}: {e}")
-        wav = self.out / rec["wav"]
         if (self.out / STOP_FILE).exists():  # the run was interrupted: leave the row to the resume
             return _result("pending", reason="the run was interrupted before this row was written")
         try:
-            rec["wav_bytes"] = write_wav_atomic(wav, audio, rec["sample_rate"], self.options.wav_subtype, tag=self.tag)
-        except OSError as e:  # this one file's problem (a full disk is an OutputFault)
-            return self._failed(row, f"{type(e).__name__}: {e}")
-        try:
-            self.ledger.append(rec)
-        except OutputFault:
-            remove_quietly(wav)  # a WAV under its final name always has its ok line
-            raise
-        return _result("ok", str(wav), rec["audio_s"], rec["tokens"], rec["timings"].get("total_s"))
+            rec = finish_row(self.out, row, res, elapsed, self.fp_sha, self.audio, self.ledger, self.tag)
+        except RowFailed as e:  # this one row's problem (a full disk is an OutputFault and propagates)
+            return self._failed(row, f"{type(e.error).__name__}: {e.error}")
+        return _result("ok", str(self.out / rec["file"]), rec["audio_s"], rec["tokens"], rec["timings"].get("total_s"))
 
     def _failed(self, row: ManifestRow, reason: str) -> dict[str, Any]:
         reason = reason[:1000]
