@@ -273,7 +273,7 @@ def test_resume_skips_done_rows_and_redoes_exactly_what_changed(tmp_path):
     rep = _run(man, synth, out)
     assert synth.calls == [] and rep.totals["skipped"] == 6 and rep.exit_code == 0
     t = json.loads((out / "timing.json").read_text())
-    assert len(t["rows"]) == 6 and all(r["resumed"] for r in t["rows"]) and t["totals"]["audio_s_all"] > 0
+    assert len(t["rows"]) == 6 and all(r["resumed"] for r in t["rows"]) and t["totals"]["audio_s"] > 0
 
     (out / "u0.wav").unlink()  # missing WAV
     with open(out / "u1.wav", "r+b") as f:  # WAV damaged behind our back
