@@ -184,6 +184,7 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.t_start = time.time()  # the window opens here: start-up is reported beside it
+        self.t_end: float | None = None  # set when the run ends: the summary and the file agree
         self.timing_rows: dict[str, dict[str, Any]] = {
             r.utt_id: _row_timing(r, self.plan.done[r.utt_id], True, self.manifest.path)
             for r in self.rows if r.utt_id in self.plan.done}
@@ -206,7 +207,7 @@ class _Run:
 
     def window(self) -> dict[str, Any]:
         """This run's window so far (it closes with the last record written)."""
-        return window(self.t_start, time.time(), ok=self.counts["ok"], failed=self.counts["failed"],
+        return window(self.t_start, self.t_end or time.time(), ok=self.counts["ok"], failed=self.counts["failed"],
                       audio_s=round(self.sums["audio_s"], 4))
 
     def runs(self) -> list[dict[str, Any]]:
@@ -318,6 +319,7 @@ class _Run:
     def _end(self, ledger: Ledger | None, intr: DeferredInterrupts) -> dict[str, Any]:
         """Last ledger line and timing.json; after a fault each may fail again (quietly)."""
         self.read_synth_stats()
+        self.t_end = time.time()
         totals = self.totals()
         try:
             with intr.commit():
