@@ -75,6 +75,31 @@ def _raise_interrupted(signum: int) -> None:
     raise Interrupted(signum)
 
 
+@contextlib.contextmanager
+def _startup_signals() -> Any:
+    """While the synthesizer's factory is imported and run: SIGINT/SIGTERM raise Interrupted,
+    and any error that follows one of them *is* that interrupt.
+
+    Native extensions turn an exception raised during their initialization into another one
+    (pybind11 modules such as onnxruntime's raise ``ImportError: initialization failed`` when
+    Ctrl-C lands while they load), which the set-up would otherwise report as a broken
+    synthesizer and exit 2. The signal that arrived is what decides the exit: 130 or 143.
+    """
+    noted: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        noted.append(signum)
+        raise Interrupted(signum)
+
+    with _on_signals((signal.SIGINT, signal.SIGTERM), on_signal):
+        try:
+            yield
+        except Exception as e:
+            if noted:
+                raise Interrupted(noted[0]) from e
+            raise
+
+
 def _exit_for_signal(signum: int) -> None:
     _exit_now(interrupt_exit_code(Interrupted(signum)))
 
@@ -151,6 +176,46 @@ def _load_manifest(path: Path) -> Manifest:
         log.warning("%d problem(s) on %d line(s) of %s; those rows are skipped",
                     len(man.problems), len(man.problems_by_line()), path)
     return man
+
+
+def _check_out_dir(out: Path) -> str | None:
+    """Why ``out`` cannot be written, or None; checked before any model work (and without
+    creating anything: an interrupted start-up leaves no folder behind). The run itself still
+    handles every write error, this only saves loading a model for nothing."""
+    if out.exists():
+        if not out.is_dir():
+            return f"cannot write to output folder {out}: it exists and is not a folder"
+        if not os.access(out, os.W_OK | os.X_OK):
+            return f"cannot write to output folder {out}: permission denied"
+        return None
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create output folder {out}: {parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create output folder {out}: {parent} is not writable"
+    return None
+
+
+def _takes_profile(spec: str) -> bool:
+    """Whether the factory reads --profile/--set as a profile (as ``build_synthesizer`` does).
+    A factory with settings of its own (the test fakes) says so with ``free_settings = True``;
+    the default one is not imported here (it imports torch)."""
+    if spec == DEFAULT_FACTORY:
+        return True
+    return not getattr(_load_factory(spec), "free_settings", False)
+
+
+def _check_profile(profile: str | None, overrides: list[str], stream: bool | None) -> None:
+    """Profile and --set errors (exit 2, one line) before any model is loaded; the factory
+    loads the profile again itself, so this changes nothing else."""
+    from cosybatch.profiles import ProfileError, load_profile
+
+    try:
+        load_profile(profile, overrides, stream=stream)
+    except ProfileError as e:
+        _fail(f"profile: {e}")
 
 
 def _load_factory(spec: str, default_attr: str = "build_synthesizer") -> Callable[..., Any]:
@@ -260,6 +325,12 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     man = _load_manifest(manifest)
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
+    # Everything that can be checked without the model is checked before it loads (exit 2).
+    problem = _check_out_dir(out_dir)
+    if problem:
+        _fail(problem)
+    if _takes_profile(factory):
+        _check_profile(profile, overrides, stream)
     opts = SynthOptions(model, profile, tuple(overrides), stream, wav_subtype, overwrite, factory,
                         tuple(sys.argv[1:]), force_length=force_length,
                         prompt_cache=str(prompt_cache) if prompt_cache else None)
@@ -273,9 +344,11 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
 
         sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
                              quiet=quiet, verbose=verbose))
-    build = _load_factory(factory)
     try:
-        synthesizer = opts.build(_device_for(device), build)
+        with _startup_signals():
+            synthesizer = opts.build(_device_for(device), _load_factory(factory))
+    except click.UsageError:
+        raise
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
@@ -453,12 +526,30 @@ def profiles_command() -> None:
         click.echo(f"{'':40s} {path}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _run_click(argv: list[str] | None) -> Any:
+    """click outside its standalone mode, which would answer a Ctrl-C that lands before a
+    command's own handling (while the arguments are parsed) with "Aborted!" and exit 1."""
     try:
-        cli.main(args=argv, prog_name="cosybatch")
-    except SystemExit as e:  # standalone click always ends here
-        _exit_past_stragglers(e.code)
-        raise
+        rv = cli.main(args=argv, prog_name="cosybatch", standalone_mode=False)
+    except SystemExit as e:  # the commands end with sys.exit(code)
+        return e.code
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            return interrupt_exit_code(e.__cause__)
+        click.echo("Aborted!", err=True)
+        return EXIT_FAILED
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
+    return rv if isinstance(rv, int) else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    code = _run_click(argv)
+    _exit_past_stragglers(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
