@@ -14,27 +14,44 @@ Tests use them to run the whole commands around fakes.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import logging
 import os
 import signal
-import sys
 import threading
-from pathlib import Path
-from typing import Any, Callable
 
-import click
 
-from cosybatch import __version__
-from cosybatch.manifest import Manifest, ManifestError, read_manifest
-from cosybatch.run.progress import setup_logging, warn_failed_rows
-from cosybatch.run.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
-from cosybatch.run.synth import RunError, run_synth
-from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env
-from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
-from cosybatch.output.audio_files import WAV_SUBTYPES
+def _exit_130_now(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+# Ctrl-C while this module's imports run (up to a second on a busy machine) ends the process
+# at once with 130: nothing has been written yet, and a traceback from the middle of an import
+# would say nothing. Only where Ctrl-C is not already handled or ignored (a background job).
+_SIGINT_BEFORE = signal.getsignal(signal.SIGINT)
+if threading.current_thread() is threading.main_thread() and _SIGINT_BEFORE is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_130_now)
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import click  # noqa: E402
+
+from cosybatch import __version__  # noqa: E402
+from cosybatch.manifest import Manifest, ManifestError, read_manifest  # noqa: E402
+from cosybatch.run.exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted,  # noqa: E402
+                                 interrupt_exit_code, signal_name)
+from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env  # noqa: E402
+from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer  # noqa: E402
+
+# Imported where used: numpy (the runner, the audio writer) and rich (logging, the progress
+# bar) cost more than the rest of this module, and `--help`, `check` and `merge` need neither.
+
+if signal.getsignal(signal.SIGINT) is _exit_130_now:
+    signal.signal(signal.SIGINT, _SIGINT_BEFORE)
 
 log = logging.getLogger("cosybatch.cli")
 
@@ -165,6 +182,12 @@ def _resolve_shard(spec: str | None) -> Shard:
     return shard
 
 
+def setup_logging(verbose: bool, quiet: bool) -> None:
+    from cosybatch.run.progress import setup_logging as setup
+
+    setup(verbose, quiet)
+
+
 def _load_manifest(path: Path) -> Manifest:
     try:
         man = read_manifest(path)
@@ -247,6 +270,8 @@ def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str
 
 
 def _check_subtype(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from cosybatch.output.audio_files import WAV_SUBTYPES
+
     v = value.strip().upper()
     if v in WAV_SUBTYPES:
         return v
@@ -352,6 +377,9 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
+    from cosybatch.run.progress import warn_failed_rows
+    from cosybatch.run.synth import RunError, run_synth
+
     with _closing(synthesizer):
         try:
             report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), wav_subtype=wav_subtype,
