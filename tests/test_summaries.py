@@ -155,3 +155,29 @@ def test_a_row_run_alone_has_no_queue_and_keeps_the_stage_times_it_reported(tmp_
     for r in _timing(out)["rows"]:
         assert r["queue_s"] is None and r["synth_s"] == r["total_s"]
         assert all(isinstance(r[k], float) for k in ("frontend_s", "llm_s", "flow_s", "hift_s"))
+
+
+@pytest.mark.slow
+def test_the_fast_engine_reports_each_rows_wait_for_an_ar_slot(fixtures_dir, tmp_path):
+    """On the tiny checkpoint with one AR slot: the driver admits several rows at once, so all
+    but the first wait for the slot. Their queue time is apart from their synthesis time."""
+    from click.testing import CliRunner
+
+    from cosybatch.cli import cli
+
+    prompts = fixtures_dir / "prompts"
+    src = [ln.split("|") for ln in (prompts / "meta.lst").read_text(encoding="utf-8").splitlines() if ln.strip()][:3]
+    man = tmp_path / "meta.lst"
+    man.write_text("".join(f"{u}|{pt}|{prompts / w}|{tt}\n" for u, pt, w, tt in src), encoding="utf-8")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["synth", str(man), "--model", str(fixtures_dir / "model"), "--out", str(out),
+                                   "--device", "cpu", "-q", "--set", "ar.max_num_seqs=1",
+                                   "--set", "codec.max_num_seqs=1"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = _timing(out)["rows"]
+    assert len(rows) == 3 and all(r["queue_s"] is not None for r in rows)
+    for r in rows:
+        assert r["synth_s"] == pytest.approx(r["total_s"] - r["queue_s"], abs=1e-3)
+        assert r["rtf"] == pytest.approx(r["synth_s"] / r["audio_s"], rel=1e-2)
+    waited = max(rows, key=lambda r: r["queue_s"])
+    assert waited["queue_s"] > 0 and waited["rtf"] < waited["total_s"] / waited["audio_s"]
