@@ -181,3 +181,23 @@ def test_the_fast_engine_reports_each_rows_wait_for_an_ar_slot(fixtures_dir, tmp
         assert r["rtf"] == pytest.approx(r["synth_s"] / r["audio_s"], rel=1e-2)
     waited = max(rows, key=lambda r: r["queue_s"])
     assert waited["queue_s"] > 0 and waited["rtf"] < waited["total_s"] / waited["audio_s"]
+
+
+def test_workers_summary_is_over_their_windows_and_a_noop_rerun_keeps_it(tmp_path):
+    """--workers: the merged wall is the union of the workers' own windows (their spawn and
+    model loading are not row time), and a re-run with nothing to do reports the same."""
+    from out_dirs import invoke
+
+    man = make_manifest(tmp_path, 6)
+    out = tmp_path / "out"
+    args = ("synth", man, "--out", out, "--synthesizer", "fake_synth:build", "--set", "sleep=0.05",
+            "--device", "cpu", "--workers", "2", "-q")
+    assert invoke(*args).exit_code == 0
+    windows = _shard_windows(out, 2)
+    merged = _timing(out)["totals"]
+    assert merged["wall_s"] == pytest.approx(union_s(windows), abs=1e-3) and merged["ok"] == 6
+    assert merged["audio_s_per_s"] > 0
+    assert invoke(*args).exit_code == 0  # nothing left to do
+    again = _timing(out)["totals"]
+    for key in ("audio_s", "wall_s", "audio_s_per_s", "rtf"):
+        assert again[key] == merged[key], key
