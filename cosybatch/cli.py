@@ -44,6 +44,7 @@ from cosybatch import __version__  # noqa: E402
 from cosybatch.manifest import Manifest, ManifestError, read_manifest  # noqa: E402
 from cosybatch.run.exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted,  # noqa: E402
                                  interrupt_exit_code, signal_name)
+from cosybatch.run.interrupts import signals_decide_setup  # noqa: E402
 from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env  # noqa: E402
 from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer  # noqa: E402
 
@@ -90,31 +91,6 @@ def _on_signals(signals: tuple[int, ...], action: Callable[[int], Any]) -> Any:
 
 def _raise_interrupted(signum: int) -> None:
     raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def _startup_signals() -> Any:
-    """While the synthesizer's factory is imported and run: SIGINT/SIGTERM raise Interrupted,
-    and any error that follows one of them *is* that interrupt.
-
-    Native extensions turn an exception raised during their initialization into another one
-    (pybind11 modules such as onnxruntime's raise ``ImportError: initialization failed`` when
-    Ctrl-C lands while they load), which the set-up would otherwise report as a broken
-    synthesizer and exit 2. The signal that arrived is what decides the exit: 130 or 143.
-    """
-    noted: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        noted.append(signum)
-        raise Interrupted(signum)
-
-    with _on_signals((signal.SIGINT, signal.SIGTERM), on_signal):
-        try:
-            yield
-        except Exception as e:
-            if noted:
-                raise Interrupted(noted[0]) from e
-            raise
 
 
 def _exit_for_signal(signum: int) -> None:
@@ -370,7 +346,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
         sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
                              quiet=quiet, verbose=verbose))
     try:
-        with _startup_signals():
+        with signals_decide_setup():
             synthesizer = opts.build(_device_for(device), _load_factory(factory))
     except click.UsageError:
         raise

@@ -121,3 +121,22 @@ def test_an_unknown_set_key_lists_the_valid_keys(tmp_path, built):
     res = _invoke("synth", man, "--out", tmp_path / "out", *PROFILED, "--set", "turbo=1")
     err = _one_error(res.stderr)
     assert res.exit_code == 2 and all(k in err for k in LEAVES)  # no group to go by: every key
+
+
+def test_ctrl_c_while_the_workers_build_their_synthesizers_exits_130(tmp_path):
+    """--workers: the parent forwards Ctrl-C to workers still inside set-up; each stops as
+    interrupted, none reports a broken synthesizer."""
+    man = make_manifest(tmp_path, 4)
+    out, ready = tmp_path / "out", tmp_path / "building"
+    proc = _spawn("synth", str(man), "--out", str(out), "--synthesizer", "fake_synth:build", "--device", "cpu",
+                  "--workers", "2", "--set", f"setup_ready={ready}", "--set", "setup_sleep=60")
+    try:
+        _wait_for(ready, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "cannot set up" not in err and "initialization failed" not in err and "Traceback" not in err

@@ -17,6 +17,7 @@ from typing import Any
 
 from cosybatch.run.multi.devices import Slot
 from cosybatch.run.exits import EXIT_USAGE, Interrupted, interrupt_exit_code
+from cosybatch.run.interrupts import signals_decide_setup
 from cosybatch.manifest import Manifest
 from cosybatch.run.sharding import Shard
 from cosybatch.run.options import SynthOptions, close_synthesizer
@@ -118,7 +119,8 @@ def run(job: Job) -> int:
 
     opts = job.options
     try:
-        synth = opts.build(job.slot.device)
+        with signals_decide_setup():  # a stop signal while the engine loads is a stop, not a broken set-up
+            synth = opts.build(job.slot.device)
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     except Exception as e:
