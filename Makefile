@@ -7,20 +7,26 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_CKPT ?= examples/checkpoint
 DEMO_OUT ?= demo_out
 
-.PHONY: venv test test-portable test-gpu demo clean
+.PHONY: venv test-venv test test-portable test-gpu demo clean
 
+# Two stages: `venv` has what running cosybatch needs (all `make demo` installs); `test-venv`
+# adds the test extras (pytest, hypothesis and Ray, by far the largest download).
 venv: $(VENV)/.installed
+test-venv: $(VENV)/.test-installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	# A regular (not editable) install: it builds the wheel as users get it. Commands below run
 	# `python -m` from the checkout root, so the checkout's code is what runs and is tested.
+	$(PY) -m pip install -q .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
 	$(PY) -m pip install -q ".[test]"
 	touch $@
 
-test: venv
+test: test-venv
 	$(PY) -m pytest -q
 
 # The suite again as an AVX2-only machine at 3 intra-op threads runs it: MKL and oneDNN kernels
@@ -29,10 +35,10 @@ test: venv
 # must hold on any x86-64 CPU (tests/parity.py); this keeps a second kernel set in CI.
 PORTABLE_ENV := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=3 COSYBATCH_TEST_THREADS=3
 
-test-portable: venv
+test-portable: test-venv
 	$(PORTABLE_ENV) $(PY) -m pytest -q
 
-test-gpu: venv
+test-gpu: test-venv
 	$(PY) -m pytest -q -m gpu
 
 $(DEMO_CKPT)/cosyvoice3.yaml: | venv

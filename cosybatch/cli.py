@@ -14,27 +14,47 @@ Tests use them to run the whole commands around fakes.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import logging
 import os
 import signal
-import sys
 import threading
-from pathlib import Path
-from typing import Any, Callable
 
-import click
 
-from cosybatch import __version__
-from cosybatch.manifest import Manifest, ManifestError, read_manifest
-from cosybatch.run.progress import setup_logging, warn_failed_rows
-from cosybatch.run.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, interrupt_exit_code, signal_name
-from cosybatch.run.synth import RunError, run_synth
-from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env
-from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer
-from cosybatch.output.audio_files import FORMATS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, WAV_SUBTYPES, AudioFormat
+def _exit_130_now(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+# Ctrl-C while this module's imports run (up to a second on a busy machine) ends the process
+# at once with 130: nothing has been written yet, and a traceback from the middle of an import
+# would say nothing. Only where Ctrl-C is not already handled or ignored (a background job).
+_SIGINT_BEFORE = signal.getsignal(signal.SIGINT)
+if threading.current_thread() is threading.main_thread() and _SIGINT_BEFORE is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_130_now)
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import click  # noqa: E402
+
+from cosybatch import __version__  # noqa: E402
+from cosybatch.manifest import Manifest, ManifestError, read_manifest  # noqa: E402
+from cosybatch.run.exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted,  # noqa: E402
+                                 interrupt_exit_code, signal_name)
+from cosybatch.run.interrupts import signals_decide_setup  # noqa: E402
+from cosybatch.run.sharding import Shard, ShardError, parse_shard, select, shard_from_env  # noqa: E402
+from cosybatch.run.options import DEFAULT_FACTORY, SynthOptions, close_synthesizer  # noqa: E402
+# the output formats' names and limits, for the options (this imports numpy: --help pays ~0.1 s)
+from cosybatch.output.audio_files import FORMATS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, WAV_SUBTYPES, AudioFormat  # noqa: E402
+
+# Imported where used: the runner and rich (logging, the progress
+# bar) cost more than the rest of this module, and `--help`, `check` and `merge` need neither.
+
+if signal.getsignal(signal.SIGINT) is _exit_130_now:
+    signal.signal(signal.SIGINT, _SIGINT_BEFORE)
 
 log = logging.getLogger("cosybatch.cli")
 
@@ -140,6 +160,12 @@ def _resolve_shard(spec: str | None) -> Shard:
     return shard
 
 
+def setup_logging(verbose: bool, quiet: bool) -> None:
+    from cosybatch.run.progress import setup_logging as setup
+
+    setup(verbose, quiet)
+
+
 def _load_manifest(path: Path) -> Manifest:
     try:
         man = read_manifest(path)
@@ -151,6 +177,46 @@ def _load_manifest(path: Path) -> Manifest:
         log.warning("%d problem(s) on %d line(s) of %s; those rows are skipped",
                     len(man.problems), len(man.problems_by_line()), path)
     return man
+
+
+def _check_out_dir(out: Path) -> str | None:
+    """Why ``out`` cannot be written, or None; checked before any model work (and without
+    creating anything: an interrupted start-up leaves no folder behind). The run itself still
+    handles every write error, this only saves loading a model for nothing."""
+    if out.exists():
+        if not out.is_dir():
+            return f"cannot write to output folder {out}: it exists and is not a folder"
+        if not os.access(out, os.W_OK | os.X_OK):
+            return f"cannot write to output folder {out}: permission denied"
+        return None
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create output folder {out}: {parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create output folder {out}: {parent} is not writable"
+    return None
+
+
+def _takes_profile(spec: str) -> bool:
+    """Whether the factory reads --profile/--set as a profile (as ``build_synthesizer`` does).
+    A factory with settings of its own (the test fakes) says so with ``free_settings = True``;
+    the default one is not imported here (it imports torch)."""
+    if spec == DEFAULT_FACTORY:
+        return True
+    return not getattr(_load_factory(spec), "free_settings", False)
+
+
+def _check_profile(profile: str | None, overrides: list[str], stream: bool | None) -> None:
+    """Profile and --set errors (exit 2, one line) before any model is loaded; the factory
+    loads the profile again itself, so this changes nothing else."""
+    from cosybatch.profiles import ProfileError, load_profile
+
+    try:
+        load_profile(profile, overrides, stream=stream)
+    except ProfileError as e:
+        _fail(f"profile: {e}")
 
 
 def _load_factory(spec: str, default_attr: str = "build_synthesizer") -> Callable[..., Any]:
@@ -299,6 +365,12 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     man = _load_manifest(manifest)
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
+    # Everything that can be checked without the model is checked before it loads (exit 2).
+    problem = _check_out_dir(out_dir)
+    if problem:
+        _fail(problem)
+    if _takes_profile(factory):
+        _check_profile(profile, overrides, stream)
     opts = SynthOptions(model, profile, tuple(overrides), stream, audio.wav_subtype, overwrite, factory,
                         tuple(sys.argv[1:]), force_length=force_length,
                         prompt_cache=str(prompt_cache) if prompt_cache else None,
@@ -313,12 +385,17 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
 
         sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
                              quiet=quiet, verbose=verbose))
-    build = _load_factory(factory)
     try:
-        synthesizer = opts.build(_device_for(device), build)
+        with signals_decide_setup():
+            synthesizer = opts.build(_device_for(device), _load_factory(factory))
+    except click.UsageError:
+        raise
     except Exception as e:
         log.debug("synthesizer setup failed", exc_info=True)
         _fail(f"cannot set up the synthesizer for {model!r}: {e}")
+    from cosybatch.run.progress import warn_failed_rows
+    from cosybatch.run.synth import RunError, run_synth
+
     with _closing(synthesizer):
         try:
             report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), audio_format=audio,
@@ -493,12 +570,30 @@ def profiles_command() -> None:
         click.echo(f"{'':40s} {path}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _run_click(argv: list[str] | None) -> Any:
+    """click outside its standalone mode, which would answer a Ctrl-C that lands before a
+    command's own handling (while the arguments are parsed) with "Aborted!" and exit 1."""
     try:
-        cli.main(args=argv, prog_name="cosybatch")
-    except SystemExit as e:  # standalone click always ends here
-        _exit_past_stragglers(e.code)
-        raise
+        rv = cli.main(args=argv, prog_name="cosybatch", standalone_mode=False)
+    except SystemExit as e:  # the commands end with sys.exit(code)
+        return e.code
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            return interrupt_exit_code(e.__cause__)
+        click.echo("Aborted!", err=True)
+        return EXIT_FAILED
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
+    return rv if isinstance(rv, int) else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    code = _run_click(argv)
+    _exit_past_stragglers(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

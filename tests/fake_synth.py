@@ -14,6 +14,9 @@ Used in-process (``FakeSynth(...)``) and through the CLI's hidden option
   closed=PATH  close() appends "closed" to PATH (to see that every way out closes it)
   kill=e:TERM  send this process SIGTERM (or INT) when row e starts, as `kill` would
   setup_kill=TERM  the same while the synthesizer is being built (model loading)
+  setup_ready=PATH  write PATH when the build starts (a test then knows it can signal)
+  setup_sleep=5  spend this long in a set-up step that behaves like a native extension
+               loading (an exception inside it comes out as ImportError)
   straggler=1  start a daemon thread that never ends and that close() does not stop
 """
 
@@ -140,6 +143,10 @@ def build(model: str, device: str, profile: str | None, overrides: list[str], st
             kw["kill"] = (utt, getattr(signal, f"SIG{sig or 'TERM'}"))
         elif key == "setup_kill":
             os.kill(os.getpid(), getattr(signal, f"SIG{value}"))
+        elif key == "setup_ready":
+            Path(value).write_text("building\n")  # the test may signal from now on
+        elif key == "setup_sleep":
+            _native_init(float(value))
         elif key == "straggler":
             threading.Thread(target=threading.Event().wait, name="cosybatch-fake-straggler", daemon=True).start()
         elif key == "boom":
@@ -147,6 +154,30 @@ def build(model: str, device: str, profile: str | None, overrides: list[str], st
         else:
             raise ValueError(f"unknown fake setting {key!r}")
     return FakeSynth(**kw)
+
+
+# It reads --set as its own settings, not as profile keys: the CLI must not check them as such.
+build.free_settings = True
+
+
+def _native_init(seconds: float) -> None:
+    """A set-up step that behaves like a native extension loading (onnxruntime's pybind11
+    module): an exception raised inside it, Ctrl-C included, comes out as ImportError."""
+    try:
+        time.sleep(seconds)
+    except BaseException as e:
+        raise ImportError("initialization failed") from e
+
+
+BUILT: list = []  # what build_profiled was called with, in this process
+
+
+def build_profiled(model: str, device: str, profile: str | None, overrides: list[str],
+                   stream: bool | None = None) -> FakeSynth:
+    """A factory that takes --profile/--set as profile settings (as the real one does) and
+    records that it was called: a configuration error must stop the CLI before it is."""
+    BUILT.append((model, profile, list(overrides)))
+    return FakeSynth(model=model)
 
 
 def write_prompt(path: Path, seconds: float = 1.0, sr: int = 16000) -> Path:

@@ -23,6 +23,9 @@ def env(model, device, profile, overrides, stream=None):
     return fake_synth.build(model, device, profile, overrides, stream)
 
 
+env.free_settings = True  # --set holds fake_synth's settings, not profile keys
+
+
 class _Dying:
     def __init__(self, inner, victim: str, marker: Path):
         self.inner, self.victim, self.marker = inner, victim, marker

@@ -5,7 +5,6 @@ and a full disk while writing FLAC is handled like one while writing WAV."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os

@@ -8,6 +8,7 @@ from cosybatch.models.config import SamplingConfig
 from cosybatch.profiles import (HopsProfile, Optimizations, Profile, ProfileError, SamplingProfile, available_profiles,
                                 load_profile, parse_override)
 from cosybatch.profiles.resolve import resolve_hops, resolve_sampling
+from cosybatch.profiles.schema import LEAVES
 
 SHIPPED = ["default", "packed_streaming", "packed_streaming_optimized_standard", "reference"]
 
@@ -82,9 +83,10 @@ def test_to_dict_round_trips_the_keys():
 
 def test_unknown_key_names_file_and_dotted_key(tmp_path):
     p = write(tmp_path, "x", "ar:\n  max_num_seq: 4\n")
-    assert err(p) == f"{p}: unknown key 'ar.max_num_seq' (did you mean 'ar.max_num_seqs'?)"
+    ar_keys = ", ".join(k for k in LEAVES if k.startswith("ar."))
+    assert err(p) == f"{p}: unknown key 'ar.max_num_seq' (did you mean 'ar.max_num_seqs'?); valid keys of ar: {ar_keys}"
     p = write(tmp_path, "y", "turbo: true\n")
-    assert err(p) == f"{p}: unknown key 'turbo'"
+    assert err(p) == f"{p}: unknown key 'turbo'; valid keys: {', '.join(LEAVES)}"
 
 
 def test_wrong_types(tmp_path):
@@ -176,7 +178,8 @@ def test_bad_inherits_and_requires_values(tmp_path):
     p = write(tmp_path, "t", "requires: [mode]\n")
     assert err(p) == f"{p}: requires: expected a mapping of dotted keys to values, got list ['mode']"
     p = write(tmp_path, "t", "requires:\n  sampling.moed: standard\n")
-    assert err(p) == f"{p}: requires: unknown key 'sampling.moed' (did you mean 'sampling.mode'?)"
+    assert err(p).startswith(f"{p}: requires: unknown key 'sampling.moed' (did you mean 'sampling.mode'?); "
+                             "valid keys of sampling: sampling.mode, ")
     p = write(tmp_path, "t", "requires:\n  mode: live\n")
     assert err(p) == f"{p}: requires: mode: expected one of 'streaming', 'full', got str 'live'"
 
@@ -204,7 +207,8 @@ def test_overrides_are_typed_and_validated():
 def test_override_errors():
     assert err("default", ["ar.max_num_seqs=lots"]) == \
         "--set ar.max_num_seqs=lots: ar.max_num_seqs: expected an integer, got str 'lots'"
-    assert err("default", ["ar.xyzzy=1"]) == "--set ar.xyzzy=1: unknown key 'ar.xyzzy'"
+    assert err("default", ["ar.xyzzy=1"]) == \
+        "--set ar.xyzzy=1: unknown key 'ar.xyzzy'; valid keys of ar: " + ", ".join(k for k in LEAVES if k.startswith("ar."))
     assert err("default", ["hops=1"]) == "--set hops=1: hops is a group; set one of its keys: hops.first, hops.max, hops.scale"
     assert err("default", ["ar.max_num_seqs"]) == "--set ar.max_num_seqs: expected KEY=VALUE"
     assert err("default", ["requires.mode=full"]) == \

@@ -282,10 +282,17 @@ def check_value(key: str, value: Any, src: str) -> Any:
 
 
 def unknown_key(key: str, src: str) -> ProfileError:
+    """The error names the closest key and lists the valid ones: those of the key's group when
+    the group exists (``ar.max_num_seq``), else every settable key, so one reading is enough."""
     known = sorted(LEAVES) + sorted(GROUPS)
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ProfileError(f"{src}: unknown key {key!r}{hint}")
+    group = key.split(".")[0]
+    if "." in key and group in GROUPS:
+        valid = f"valid keys of {group}: " + ", ".join(k for k in LEAVES if k.startswith(group + "."))
+    else:
+        valid = "valid keys: " + ", ".join(LEAVES)
+    return ProfileError(f"{src}: unknown key {key!r}{hint}; {valid}")
 
 
 def flatten(doc: dict, src: str, prefix: str = "") -> dict[str, Any]:

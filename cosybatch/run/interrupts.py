@@ -46,3 +46,34 @@ class DeferredInterrupts:
         if self._depth == 0 and self._pending is not None:
             signum, self._pending = self._pending, None
             raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_decide_setup() -> Iterator[None]:
+    """While a synthesizer is imported and built: SIGINT/SIGTERM raise ``Interrupted``, and any
+    error that follows one of them *is* that interrupt.
+
+    Native extensions turn an exception raised during their initialization into another one
+    (pybind11 modules such as onnxruntime's raise ``ImportError: initialization failed`` when
+    Ctrl-C lands while they load), which the set-up would otherwise report as a broken
+    synthesizer (exit 2). The signal that arrived decides the exit: 130 or 143.
+    """
+    noted: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        noted.append(signum)
+        raise Interrupted(signum)
+
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            saved[s] = signal.signal(s, handler)
+    try:
+        yield
+    except Exception as e:
+        if noted:
+            raise Interrupted(noted[0]) from e
+        raise
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

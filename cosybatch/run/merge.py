@@ -1,7 +1,9 @@
 """``cosybatch merge``: one summary from the ledgers and timings of many shard runs.
 
 The ledgers are the authority on row status (latest record per utt_id wins across all
-of them); the timing files contribute per-row timings and each shard's wall time.
+of them); the timing files contribute per-row timings and the windows in which the shards
+ran. The merged wall time is the union of those windows: shards run side by side count
+their overlap once, shards run one after the other add up (the gap between them does not).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from cosybatch.run.exits import EXIT_FAILED, EXIT_OK
 from cosybatch.atomic import OutputFault, atomic_write_bytes
 from cosybatch.output.ledger import ledger_files, read_ledger
-from cosybatch.output.timing import TIMING_SCHEMA, rates, timing_files
+from cosybatch.output.timing import TIMING_SCHEMA, build_totals, doc_windows, read_timing_docs, unique_windows
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +34,10 @@ class MergeResult:
 
 
 def _load_timings(outs: list[Path], level: int) -> list[tuple[Path, dict[str, Any]]]:
-    docs = []
-    for out in outs:
-        for p in timing_files(out):
-            try:
-                doc = json.loads(p.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                log.log(level, "%s: unreadable timing file skipped (%s)", p, e)
-                continue
-            if isinstance(doc, dict) and doc.get("schema") == TIMING_SCHEMA and not doc.get("merged"):
-                docs.append((p, doc))
-    return docs
+    def unreadable(p: Path, e: Exception) -> None:
+        log.log(level, "%s: unreadable timing file skipped (%s)", p, e)
+
+    return [pd for out in outs for pd in read_timing_docs(out, unreadable)]
 
 
 def _ledger_state(outs: list[Path]) -> tuple[dict[str, dict[str, Any]], dict[tuple[Any, Any], dict[str, Any]]]:
@@ -90,25 +85,23 @@ def merge_outputs(outs: list[Path], into: Path, quiet: bool = False) -> MergeRes
             if isinstance(r, dict) and isinstance(r.get("utt_id"), str):
                 rows[r["utt_id"]] = r
     status = [r.get("status") for r in rows_state.values()]
-    walls = [float(d["totals"]["wall_s"]) for _, d in docs if isinstance(d.get("totals"), dict)
-             and isinstance(d["totals"].get("wall_s"), (int, float))]
-    run_audio = sum(float(d["totals"].get("audio_s") or 0.0) for _, d in docs if isinstance(d.get("totals"), dict))
-    wall = max(walls) if walls else 0.0
+    # Every document carries the windows of the runs behind its rows; the same window may be in
+    # several (a resumed shard's file repeats its earlier run's): each counts once.
+    windows = unique_windows(w for _, d in docs for w in doc_windows(d))
     audio_all = sum(float(r.get("audio_s") or 0.0) for r in rows_state.values() if r.get("status") == "ok")
-    totals = {
-        "ok": status.count("ok"), "failed": status.count("failed"), "skipped": 0, "invalid": len(invalid),
-        "audio_s_all": round(audio_all, 4),
-        # Shards are assumed to run side by side: throughput is their audio over the slowest one's wall.
-        "audio_s": round(run_audio, 4), "wall_s": round(wall, 4), "wall_s_sum": round(sum(walls), 4),
-        **rates(run_audio, wall),
-        "shards": len(docs), "missing_shards": missing, "incomplete": incomplete,
-    }
+    totals = build_totals(
+        # rows and pending: unknown here (a merge has no manifest; missing_shards says what is missing)
+        rows=None, ok=status.count("ok"), failed=status.count("failed"), skipped=0,
+        invalid=len(invalid), pending=None, audio_s_run=0.0, this_run=None, audio_s_all=audio_all, windows=windows,
+        # wall_s_sum: the windows added up, overlap and all (how busy the shards were together)
+        extra={"wall_s_sum": round(sum(float(w["end"]) - float(w["start"]) for w in windows), 4),
+               "shards": len(docs), "missing_shards": missing, "incomplete": incomplete})
     first = docs[0][1] if docs else {}
     merged = {"schema": TIMING_SCHEMA, "merged": True, "complete": not missing and not incomplete,
               "model": first.get("model"), "device": first.get("device"), "versions": first.get("versions"),
               "sources": [{"file": str(p), "shard": d.get("shard"), "complete": d.get("complete"),
                            "totals": d.get("totals")} for p, d in docs],
-              "totals": totals,
+              "totals": totals, "runs": windows,
               "failed": {u: r.get("reason") for u, r in rows_state.items() if r.get("status") == "failed"},
               "rows": list(rows.values())}
     try:

@@ -104,22 +104,31 @@ def _fmt_s(x: float | None) -> str:
 
 
 def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Table:
+    """The counts of this run, then the throughput of every finished row (over the windows of
+    the runs that made them), then this run's alone when that differs (a resumed run)."""
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
     for key, label in (("ok", "rows ok"), ("failed", "rows failed"),
                        ("skipped", "rows skipped (already done)"), ("invalid", "rows invalid")):
         t.add_row(label, f"{totals.get(key, 0):,}")
-    t.add_row("audio seconds (this run)", _fmt_s(totals.get("audio_s")))
-    t.add_row("wall time (s)", _fmt_s(totals.get("wall_s")))
+    _rate_rows(t, totals, "")
     startup = (totals.get("startup") or {}).get("total_s")
     if startup is not None:
         t.add_row("start-up before the first row (s)", _fmt_s(startup))
-    rate = totals.get("audio_s_per_s")
-    t.add_row("audio-s/s", "-" if rate is None else f"{rate:,.2f}")
-    rtf = totals.get("rtf")
-    t.add_row("RTF", "-" if rtf is None else f"{rtf:.4f}")
+    this = totals.get("this_run")
+    if this and (this.get("audio_s"), this.get("wall_s")) != (totals.get("audio_s"), totals.get("wall_s")):
+        _rate_rows(t, this, "this run: ")
     return t
+
+
+def _rate_rows(t: Table, figures: dict[str, Any], prefix: str) -> None:
+    t.add_row(f"{prefix}audio seconds", _fmt_s(figures.get("audio_s")))
+    t.add_row(f"{prefix}wall time (s)", _fmt_s(figures.get("wall_s")))
+    rate = figures.get("audio_s_per_s")
+    t.add_row(f"{prefix}audio-s/s", "-" if rate is None else f"{rate:,.2f}")
+    rtf = figures.get("rtf")
+    t.add_row(f"{prefix}RTF", "-" if rtf is None else f"{rtf:.4f}")
 
 
 def print_summary(totals: dict[str, Any], console: Console | None = None, title: str = "cosybatch synth") -> None:

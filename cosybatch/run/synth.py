@@ -43,11 +43,13 @@ from cosybatch.output.write_behind import WriteBehind
 from cosybatch.atomic import OutputFault, remove_stale_tmp
 from cosybatch.output.audio_files import AudioFormat
 from cosybatch.output.ledger import Ledger, read_ledgers
-from cosybatch.output.timing import TIMING_SCHEMA, TimingWriter, rates
+from cosybatch.output.timing import (STAGE_KEYS, TimingWriter, build_totals, row_timing, timing_document,
+                                     window, windows_for)
 
 log = logging.getLogger(__name__)
 
-TIMING_KEYS = ("frontend_s", "llm_s", "flow_s", "hift_s", "first_chunk_s", "total_s")
+# Per-row seconds summed into the totals (``sum_<key>``) when some row reported them.
+SUMMED_KEYS = ("total_s", "queue_s", *STAGE_KEYS)
 
 
 class RunError(Exception):
@@ -114,19 +116,10 @@ def _system_info(synth: Any) -> dict[str, Any]:
     return desc
 
 
-def _row_timing(row: ManifestRow, rec: dict[str, Any], resumed: bool) -> dict[str, Any]:
-    t = rec.get("timings") or {}
-    audio_s = rec.get("audio_s")
-    total = t.get("total_s")
-    return {"utt_id": row.utt_id, "status": rec.get("status"), "prompt_s": round(row.prompt_s, 4),
-            "audio_s": audio_s, "tokens": rec.get("tokens"), "chunks": rec.get("chunks"),
-            **{k: t.get(k) for k in TIMING_KEYS},
-            "rtf": (total / audio_s) if total is not None and audio_s else None,
-            "resumed": resumed, **({"reason": rec["reason"]} if "reason" in rec else {})}
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+def _row_timing(row: ManifestRow, rec: dict[str, Any], resumed: bool, manifest: str | None) -> dict[str, Any]:
+    return row_timing(utt_id=row.utt_id, line=row.line, manifest=manifest, status=rec.get("status"),
+                      audio_s=rec.get("audio_s"), tokens=rec.get("tokens"), chunks=rec.get("chunks"),
+                      prompt_s=row.prompt_s, timings=rec.get("timings"), resumed=resumed, reason=rec.get("reason"))
 
 
 def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
@@ -166,8 +159,11 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
             raise SettingsChanged(changed_message(plan, records, fp, out))
         invalid = manifest.problems_by_line() if shard.index == 0 else {}
         warn_if_short_of_space(out, plan.todo, native_rate, audio)
+        # The windows of the runs that made the rows already done: the totals describe every
+        # finished row, so a re-run with nothing to do still reports the job's throughput.
+        earlier = windows_for(out, set(plan.done))
         return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, audio,
-                    shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console).go()
+                    shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console, earlier).go()
 
 
 @dataclass
@@ -189,14 +185,17 @@ class _Run:
     timing_path: Path
     interval: float
     console: Any
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # windows that made the done rows
 
     def __post_init__(self) -> None:
-        self.t_start = time.time()
+        self.t_start = time.time()  # the window opens here: start-up is reported beside it
+        self.t_end: float | None = None  # set when the run ends: the summary and the file agree
         self.timing_rows: dict[str, dict[str, Any]] = {
-            r.utt_id: _row_timing(r, self.plan.done[r.utt_id], True)
+            r.utt_id: _row_timing(r, self.plan.done[r.utt_id], True, self.manifest.path)
             for r in self.rows if r.utt_id in self.plan.done}
+        self.audio_s_done = sum(float(r.get("audio_s") or 0.0) for r in self.timing_rows.values())
         self.counts = {"ok": 0, "failed": 0, "skipped": len(self.plan.done), "invalid": len(self.invalid)}
-        self.sums = {k: 0.0 for k in ("audio_s", "tokens", *TIMING_KEYS)}
+        self.sums = {k: 0.0 for k in ("audio_s", "tokens", "first_chunk_s", *SUMMED_KEYS)}
         self.reported: set[str] = set()  # timing keys some row reported (batched paths lack per-row stages)
         self.failed: list[str] = []
         self.system = _system_info(self.synth)
@@ -211,21 +210,29 @@ class _Run:
     def interrupted(self) -> bool:
         return self.signum is not None
 
+    def window(self) -> dict[str, Any]:
+        """This run's window so far (it closes with the last record written)."""
+        return window(self.t_start, self.t_end or time.time(), ok=self.counts["ok"], failed=self.counts["failed"],
+                      audio_s=round(self.sums["audio_s"], 4))
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The windows behind this document's rows: the earlier ones, and this run's once it
+        has made a row (a run that made none adds no time to the job)."""
+        made = self.counts["ok"] + self.counts["failed"]
+        return [*self.earlier, self.window()] if made else list(self.earlier)
+
     def totals(self) -> dict[str, Any]:
-        wall = time.time() - self.t_start
         audio = self.sums["audio_s"]
         done = self.counts["ok"] + self.counts["failed"] + self.counts["skipped"]
-        return {"rows": len(self.rows), **self.counts, "pending": len(self.rows) - done,
-                "audio_s": round(audio, 4), "wall_s": round(wall, 4),
-                **rates(audio, wall),
-                "audio_s_all": round(audio + sum(r.get("audio_s") or 0.0 for r in self.timing_rows.values()
-                                                 if r.get("resumed")), 4),
-                "tokens": int(self.sums["tokens"]),
-                **{f"sum_{k}": round(self.sums[k], 4) for k in TIMING_KEYS
-                   if k != "first_chunk_s" and k in self.reported},
-                **self.synth_stats,
-                **({"startup": self.startup} if self.startup else {}),
-                "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None}
+        return build_totals(
+            rows=len(self.rows), **self.counts, pending=len(self.rows) - done,
+            audio_s_run=audio, this_run=[self.window()], audio_s_all=audio + self.audio_s_done,
+            windows=self.runs(),
+            extra={"tokens": int(self.sums["tokens"]),
+                   **{f"sum_{k}": round(self.sums[k], 4) for k in SUMMED_KEYS if k in self.reported},
+                   **self.synth_stats,
+                   **({"startup": self.startup} if self.startup else {}),
+                   "mean_first_chunk_s": (self.sums["first_chunk_s"] / self.counts["ok"]) if self.counts["ok"] else None})
 
     def read_synth_stats(self) -> None:
         """Stage busy times and the timeline snapshot for timing.json. Only the thread that
@@ -238,19 +245,15 @@ class _Run:
         self.synth_stats = stats
 
     def timing_doc(self, complete: bool) -> dict[str, Any]:
-        sys_info = dict(self.system)
-        return {"schema": TIMING_SCHEMA, "complete": complete, "interrupted": self.interrupted,
-                "stopped": self.stopped,
-                "manifest": self.manifest.path, "out": str(self.out),
-                "model": sys_info.pop("model"), "device": sys_info.pop("device"),
-                "versions": sys_info.pop("versions"), "system": sys_info,
-                "shard": {"index": self.shard.index, "count": self.shard.count},
-                "settings": {"stream": self.stream, "sample_rate": getattr(self.synth, "sample_rate", None),
-                             **self.audio.settings(getattr(self.synth, "sample_rate", None))},
-                "fingerprint": self.fp, "fingerprint_sha": self.fp_sha,
-                "started": _iso(self.t_start), "updated": _iso(time.time()),
-                "totals": self.totals(),
-                "rows": [self.timing_rows[r.utt_id] for r in self.rows if r.utt_id in self.timing_rows]}
+        rate = getattr(self.synth, "sample_rate", None)
+        return timing_document(
+            complete=complete, interrupted=self.interrupted, stopped=self.stopped,
+            manifest=self.manifest.path, out=self.out, system=self.system,
+            shard={"index": self.shard.index, "count": self.shard.count},
+            settings={"stream": self.stream, "sample_rate": rate, **self.audio.settings(rate)},
+            fingerprint=self.fp, fingerprint_sha=self.fp_sha, started=self.t_start,
+            totals=self.totals(), runs=self.runs(),
+            rows=[self.timing_rows[r.utt_id] for r in self.rows if r.utt_id in self.timing_rows])
 
     def go(self) -> RunReport:
         if self.plan.done:
@@ -328,6 +331,7 @@ class _Run:
     def _end(self, ledger: Ledger | None, intr: DeferredInterrupts) -> dict[str, Any]:
         """Last ledger line and timing.json; after a fault each may fail again (quietly)."""
         self.read_synth_stats()
+        self.t_end = time.time()
         totals = self.totals()
         try:
             with intr.commit():
@@ -399,11 +403,11 @@ class _Run:
         self.counts["ok"] += 1
         self.sums["audio_s"] += audio_s
         self.sums["tokens"] += rec["tokens"]
-        for k in TIMING_KEYS:
+        for k in ("first_chunk_s", *SUMMED_KEYS):
             if timings.get(k) is not None:
                 self.sums[k] += timings[k]
                 self.reported.add(k)
-        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False, self.manifest.path)
         log.debug("%s ok: %.2f s audio", row.utt_id, audio_s)
         bar.advance(audio_s)
 
@@ -415,5 +419,5 @@ class _Run:
         ledger.append(rec)
         self.counts["failed"] += 1
         self.failed.append(row.utt_id)
-        self.timing_rows[row.utt_id] = _row_timing(row, rec, False)
+        self.timing_rows[row.utt_id] = _row_timing(row, rec, False, self.manifest.path)
         bar.advance(0.0)

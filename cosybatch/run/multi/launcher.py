@@ -32,11 +32,12 @@ from cosybatch.run.options import SynthOptions
 from cosybatch.run.multi.worker import EXIT_SETUP, Job, main as worker_main
 from cosybatch.atomic import OutputFault
 from cosybatch.output.ledger import Ledger
-from cosybatch.output.timing import rates
+from cosybatch.output.timing import build_totals, doc_windows, read_timing_docs, unique_windows
 
 log = logging.getLogger("cosybatch.run.multi.launcher")
 
 POLL_S = 0.25  # how often the ledgers are read for the progress bar
+RESEND_S = 2.0  # a stop signal forwarded again to workers still setting up (_resend_to_setups)
 # A worker stopped by SIGINT/SIGTERM: by its own handler (130/143) or before it had one.
 _INTERRUPTED = (EXIT_INTERRUPTED, EXIT_TERMINATED, -signal.SIGINT, -signal.SIGTERM)
 
@@ -90,11 +91,11 @@ class _Tail:
 
 
 def split_rows(man: Manifest, outer: Shard, out: Path, overwrite: bool,
-               workers: int) -> tuple[list[list[ManifestRow]], set[str]]:
-    """(rows still to do, per worker; ids of rows already done)."""
+               workers: int) -> tuple[list[list[ManifestRow]], dict[str, dict[str, Any]]]:
+    """(rows still to do, per worker; utt_id -> ledger record of the rows already done)."""
     rows = select(man.rows, outer)
-    done = set(finished_rows(rows, out)) if not overwrite and out.is_dir() else set()
-    return balance(rows, workers, done), done
+    done = finished_rows(rows, out) if not overwrite and out.is_dir() else {}
+    return balance(rows, workers, set(done)), done
 
 
 def _worker_shard(outer: Shard, i: int, n: int, members: set[str]) -> Shard:
@@ -109,8 +110,11 @@ class Launcher:
         self.man, self.out, self.slots, self.options, self.outer = man, out, slots, options, outer
         self.quiet, self.verbose, self.console = quiet, verbose, console
         self.stop_signal: int | None = None
+        self._stopped: Any = None  # shared with the workers once they start (_start)
+        self._forwarded_at = 0.0  # when the stop signal was last forwarded
         self.workers: list[_Worker] = []
         self.done: set[str] = set()
+        self.audio_done = 0.0  # seconds of audio of the rows done before this run
         self.todo_count = 0
         self.counts = {"ok": 0, "failed": 0}
         self.failed: list[str] = []
@@ -121,7 +125,9 @@ class Launcher:
 
     def _jobs(self) -> None:
         n = len(self.slots)
-        parts, self.done = split_rows(self.man, self.outer, self.out, self.options.overwrite, n)
+        parts, done = split_rows(self.man, self.outer, self.out, self.options.overwrite, n)
+        self.done = set(done)
+        self.audio_done = sum(float(rec.get("audio_s") or 0.0) for rec in done.values())
         for i, (slot, part) in enumerate(zip(self.slots, parts)):
             # Every worker also gets every done row: run_synth then checks all of them against
             # its settings, so a changed setting stops every worker before any writes a WAV.
@@ -141,10 +147,14 @@ class Launcher:
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
+        # What the workers read once their handlers are in place: a forwarded signal that reached
+        # one while it still ignored SIGINT (see below) is not lost.
+        self._stopped = ctx.Value("i", 0, lock=False)
         for w in self.workers:
             w.tail = _Tail(self.out / f"ledger{w.job.shard.tag}.jsonl")
             recv, send = ctx.Pipe(duplex=False)
-            w.proc = ctx.Process(target=worker_main, args=(w.job, send), name=f"cosybatch-{w.name}", daemon=False)
+            w.proc = ctx.Process(target=worker_main, args=(w.job, send, self._stopped), name=f"cosybatch-{w.name}",
+                                 daemon=False)
             # Started with SIGINT ignored (inherited through exec) until the worker has left
             # the terminal's process group; see worker._set_stop_signals.
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -162,6 +172,9 @@ class Launcher:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
+            if self._stopped is not None:
+                self._stopped.value = signum
+            self._forwarded_at = time.monotonic()
             what = "interrupted" if signum == signal.SIGINT else f"terminated ({signal_name(signum)})"
             log.warning("%s: stopping the workers (finished rows are kept)", what)
         for w in self.workers:
@@ -220,6 +233,24 @@ class Launcher:
                     self._follow(bar)
                     self._ended(w, bar)
             self._follow(bar)
+            self._resend_to_setups(running.values())
+
+    def _resend_to_setups(self, running) -> None:
+        """Forward the stop signal again, every RESEND_S, to workers still setting up (no run_start
+        in their ledger yet). Python can drop a SIGINT that lands in an import's weakref callback
+        (it prints "Exception ignored"), and a worker that lost it would build on for as long as
+        that takes. Nothing is written before run_start, so a second signal there costs nothing;
+        after it the runner's handlers take the first one reliably."""
+        now = time.monotonic()
+        if self.stop_signal is None or now - self._forwarded_at < RESEND_S:
+            return
+        self._forwarded_at = now
+        for w in running:
+            if w.fp is None and w.proc.pid:
+                try:
+                    os.kill(w.proc.pid, self.stop_signal)
+                except ProcessLookupError:
+                    pass
 
     def _ended(self, w: _Worker, bar: Any) -> None:
         code = w.exitcode = w.proc.exitcode
@@ -261,15 +292,25 @@ class Launcher:
     # -- the run -------------------------------------------------------------------------
 
     def _totals(self, t0: float) -> dict[str, Any]:
-        wall = time.time() - t0
+        """The workers' own timing documents hold the windows: the parent's clock would count
+        their spawn and model loading as row time. This run's windows are those opened after
+        it started; the job's are every window behind a row of this selection."""
         seen = set().union(*(w.seen for w in self.workers)) if self.workers else set()
-        rows = len(select(self.man.rows, self.outer))
+        rows = select(self.man.rows, self.outer)
+        ids = {r.utt_id for r in rows}
+        windows: list[dict[str, Any]] = []
+        for _, doc in read_timing_docs(self.out):
+            if any(isinstance(r, dict) and r.get("utt_id") in ids for r in doc.get("rows") or []):
+                windows.extend(doc_windows(doc))
+        windows = unique_windows(windows)
         invalid = len(self.man.problems_by_line()) if self.outer.index == 0 else 0
         finished = self.counts["ok"] + self.counts["failed"]
-        return {"rows": rows, **self.counts, "skipped": len(self.done - seen), "invalid": invalid,
-                "pending": max(0, self.todo_count - finished), "workers": len(self.workers),
-                "audio_s": round(self.audio_s, 4), "wall_s": round(wall, 4),
-                **rates(self.audio_s, wall)}
+        return build_totals(
+            rows=len(rows), **self.counts, skipped=len(self.done - seen), invalid=invalid,
+            pending=max(0, self.todo_count - finished), audio_s_run=self.audio_s,
+            # windows are stored to the millisecond; a worker's opens well after the parent's t0
+            this_run=[w for w in windows if float(w["start"]) >= round(t0, 3)],
+            audio_s_all=self.audio_s + self.audio_done, windows=windows, extra={"workers": len(self.workers)})
 
     def _exit_code(self, totals: dict[str, Any]) -> int:
         outcomes = [w.outcome for w in self.workers]

@@ -17,6 +17,7 @@ from typing import Any
 
 from cosybatch.run.multi.devices import Slot
 from cosybatch.run.exits import EXIT_USAGE, Interrupted, interrupt_exit_code
+from cosybatch.run.interrupts import signals_decide_setup
 from cosybatch.manifest import Manifest
 from cosybatch.run.sharding import Shard
 from cosybatch.run.options import SynthOptions, close_synthesizer
@@ -118,7 +119,8 @@ def run(job: Job) -> int:
 
     opts = job.options
     try:
-        synth = opts.build(job.slot.device)
+        with signals_decide_setup():  # a stop signal while the engine loads is a stop, not a broken set-up
+            synth = opts.build(job.slot.device)
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     except Exception as e:
@@ -140,9 +142,14 @@ def run(job: Job) -> int:
         close_synthesizer(synth)
 
 
-def main(job: Job, conn: Any) -> None:
-    """The spawned process's target; the exit code is the worker's answer to the parent."""
+def main(job: Job, conn: Any, stopped: Any = None) -> None:
+    """The spawned process's target; the exit code is the worker's answer to the parent.
+    ``stopped``: a shared int the parent sets to the signal it forwards (0 while running)."""
     _set_stop_signals()
+    if stopped is not None and stopped.value:
+        # The parent's signal came while SIGINT was still ignored here (before the line above)
+        # and was lost: stop as that signal would have stopped us.
+        sys.exit(128 + stopped.value)
     if os.getppid() != job.parent_pid:  # the parent died before PDEATHSIG was armed
         sys.exit(EXIT_SETUP)
     if job.slot.visible is not None:

@@ -27,7 +27,7 @@ from cosybatch.run.sharding import Shard
 from cosybatch.run.options import SynthOptions
 from cosybatch.atomic import OutputFault
 from cosybatch.output.ledger import Ledger, read_ledgers
-from cosybatch.output.timing import TIMING_SCHEMA, TimingWriter, rates
+from cosybatch.output.timing import TimingWriter, build_totals, row_timing, timing_document, window, windows_for
 
 log = logging.getLogger("cosybatch.run.ray.api")
 
@@ -76,6 +76,10 @@ class RayRun:
         self.counts = {"ok": 0, "failed": 0, "invalid": len(man.problems_by_line()), "skipped": 0}
         self.audio_s = 0.0
         self.rows: dict[str, dict[str, Any]] = {}  # this run's per-row timing entries
+        # This run's window, from the rows themselves (a result's arrival less its own time):
+        # the actors' start-up on the cluster is not row time.
+        self.window_start: float | None = None
+        self.window_end: float | None = None
         self.signum: int | None = None
         self.error: str | None = None
         self.code_for_error = EXIT_FAILED
@@ -89,6 +93,7 @@ class RayRun:
 
         self.done_fps = fingerprints(records, self.done.values())
         self.counts["skipped"] = len(self.done)
+        self.earlier = windows_for(self.out, set(self.done))  # the windows that made the done rows
 
     def _execute(self, bar: Any) -> None:
         import ray
@@ -135,8 +140,15 @@ class RayRun:
         key = status if status in self.counts else "failed"
         self.counts[key] += 1
         self.audio_s += audio
-        self.rows[res["utt_id"]] = {k: res.get(k) for k in ("utt_id", "status", "audio_s", "tokens", "total_s")} | (
-            {"reason": res["reason"]} if res.get("reason") else {}) | {"resumed": False}
+        now, took = time.time(), res.get("total_s")
+        began = now - took if isinstance(took, (int, float)) and took >= 0 else now
+        self.window_start = began if self.window_start is None else min(self.window_start, began)
+        self.window_end = now
+        line = res.get("line")
+        self.rows[res["utt_id"]] = row_timing(
+            utt_id=res["utt_id"], line=int(line) if isinstance(line, (int, float)) else None, manifest=self.man.path,
+            status=status, audio_s=res.get("audio_s"), tokens=res.get("tokens"), timings={"total_s": took},
+            reason=res.get("reason") or None)
         bar.advance(audio)
 
     def _connect(self) -> bool:
@@ -156,12 +168,20 @@ class RayRun:
             ray.data.DataContext.get_current().enable_progress_bars = False
             logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "bars disabled"
 
-    def totals(self, wall: float) -> dict[str, Any]:
+    def window(self) -> list[dict[str, Any]]:
+        """This run's window, once a row came back (none before: a run that made no row adds no time)."""
+        if self.window_start is None or self.window_end is None:
+            return []
+        return [window(self.window_start, self.window_end, ok=self.counts["ok"], failed=self.counts["failed"],
+                       audio_s=round(self.audio_s, 4))]
+
+    def totals(self) -> dict[str, Any]:
         late_invalid = self.counts["invalid"] - len(self.man.problems_by_line())  # found by an actor
         finished = self.counts["ok"] + self.counts["failed"] + late_invalid
-        return {"rows": len(self.man.rows), **self.counts, "pending": max(0, len(self.todo) - finished),
-                "actors": self.actors, "audio_s": round(self.audio_s, 4), "wall_s": round(wall, 4),
-                **rates(self.audio_s, wall)}
+        audio_done = sum(float(r.get("audio_s") or 0.0) for r in self.done.values())
+        return build_totals(rows=len(self.man.rows), **self.counts, pending=max(0, len(self.todo) - finished),
+                            audio_s_run=self.audio_s, this_run=self.window(), audio_s_all=self.audio_s + audio_done,
+                            windows=[*self.earlier, *self.window()], extra={"actors": self.actors})
 
     def run(self) -> int:
         from cosybatch.run.progress import RunProgress, print_summary
@@ -212,7 +232,7 @@ class RayRun:
                     _shutdown()
             if self.error:
                 log.error("%s", self.error)
-            totals = self.totals(time.time() - t0)
+            totals = self.totals()
             self._record(ledger, {"event": "run_end", "interrupted": self.signum is not None, "error": self.error,
                                   **{k: totals[k] for k in ("ok", "failed", "skipped", "invalid", "pending")}})
         self._write_timing(t0, totals)
@@ -244,19 +264,20 @@ class RayRun:
     def _write_timing(self, t0: float, totals: dict[str, Any]) -> None:
         from cosybatch import __version__
 
-        resumed = [{"utt_id": u, "status": "ok", "audio_s": r.get("audio_s"), "tokens": r.get("tokens"),
-                    "total_s": (r.get("timings") or {}).get("total_s"), "resumed": True}
+        resumed = [row_timing(utt_id=u, line=r.get("line"), manifest=self.man.path, status="ok",
+                              audio_s=r.get("audio_s"), tokens=r.get("tokens"), chunks=r.get("chunks"),
+                              prompt_s=r.get("prompt_s"), timings=r.get("timings"), resumed=True)
                    for u, r in self.done.items()]
         complete = self.signum is None and not self.error and not totals["pending"]
-        doc = {"schema": TIMING_SCHEMA, "complete": complete, "interrupted": self.signum is not None,
-               "manifest": self.man.path, "out": str(self.out), "model": self.options.model, "device": "ray",
-               "versions": {"cosybatch": __version__, "ray": _ray_version()},
-               "system": {"ray_address": self.address, "actors": self.actors},
-               "shard": {"index": 0, "count": 1},
-               "settings": {"stream": self.options.stream, **self.options.audio_format().settings(None)},
-               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0)),
-               "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "totals": totals, "rows": resumed + list(self.rows.values())}
+        doc = timing_document(
+            complete=complete, interrupted=self.signum is not None, stopped=self.error, manifest=self.man.path,
+            out=self.out, system={"model": self.options.model, "device": "ray",
+                                  "versions": {"cosybatch": __version__, "ray": _ray_version()},
+                                  "ray_address": self.address, "actors": self.actors},
+            shard={"index": 0, "count": 1},
+            settings={"stream": self.options.stream, **self.options.audio_format().settings(None)},
+            started=t0, totals=totals, runs=[*self.earlier, *self.window()],
+            rows=resumed + list(self.rows.values()))
         from cosybatch.run.merge import MergeError, merge_outputs
 
         try:
