@@ -23,6 +23,9 @@ class RowResult:
     tokens: int  # speech tokens behind the audio
     timings: dict[str, float]  # frontend_s, llm_s, flow_s, hift_s, first_chunk_s, total_s (what is known)
     chunks: int
+    # The normalized target pieces in the order they were synthesized (the ledger's
+    # ``segments``); None from a synthesizer that does not know them.
+    segments: list[str] | None = None
 
 
 def pick_device(device: str) -> torch.device:
@@ -45,7 +48,7 @@ class ReferenceSynthesizer:
         from cosybatch.checkpoint import load_models
         from cosybatch.frontend.frontend import Frontend
         from cosybatch.profiles import load_profile
-        from cosybatch.profiles.resolve import resolve_sampling
+        from cosybatch.profiles.resolve import resolve_sampling, resolve_text
         from cosybatch.reference.pipeline import ReferencePipeline
         from cosybatch.gpu.runtime import ProcessSettings, apply_process_settings
 
@@ -58,9 +61,11 @@ class ReferenceSynthesizer:
         self.model_dir, self.device = model_dir, device
         if device.type == "cuda":  # the exact path: no TF32 anywhere (cuDNN enables it by default)
             apply_process_settings(ProcessSettings(cudnn_tf32=False, matmul_tf32=False))
+        self.text = resolve_text(profile.text)
         self.models = load_models(model_dir, device=str(device))
         # onnxruntime on the CPU: the exact path's frontend, whatever the device
-        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache)
+        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache,
+                                 text_normalizer=self.text.normalizer)
         self.sample_rate = self.models.cfg.sample_rate
         self.streaming = profile.mode == "streaming"
         self.sampling = resolve_sampling(s, self.models.cfg.llm.sampling)
@@ -68,7 +73,8 @@ class ReferenceSynthesizer:
                                           enforce_min_len=s.enforce_min_len, seed=s.seed)
 
     def fingerprint(self) -> dict:
-        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling)}
+        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling),
+                "text_normalizer": self.text.normalizer}
 
     def describe(self) -> dict:
         return _describe(self.model_dir, self.device, "reference")
@@ -84,6 +90,7 @@ class ReferenceSynthesizer:
             tokens=sum(len(s.llm_tokens) for s in trace.segments),
             timings=trace.timings,
             chunks=sum(len(s.chunk_wavs) for s in trace.segments),
+            segments=list(trace.segment_texts),
         )
 
 
@@ -116,7 +123,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     with clock.phase("frontend"):
         frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
                             split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
-                            disk_cache=prompt_cache, warmup=False)
+                            disk_cache=prompt_cache, warmup=False, text_normalizer=settings.text.normalizer)
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()
@@ -152,6 +159,7 @@ class FastSynthesizer:
                 "ar_dtype": str(resolve_dtype(p.ar.dtype, dev)), "flow_dtype": str(resolve_dtype(p.codec.flow_dtype, dev)),
                 "hift_dtype": p.codec.hift_dtype, "hift_tf32": p.codec.hift_tf32 and dev.type == "cuda",
                 "chunk_causal_final": p.optimizations.chunk_causal_final, "force_length": self.force_length,
+                "text_normalizer": self.pipeline.frontend.text_normalizer,
                 # only when it changes the tokens, so float32 runs resume across frontend paths
                 **({"prompt_features": "bfloat16"} if self.pipeline.frontend.bfloat16 else {})}
 
@@ -197,7 +205,7 @@ class FastSynthesizer:
             audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
             first = next((t - f.admitted for t, a in f.chunks if len(a)), float("nan"))
             timings = {"first_chunk_s": first, "total_s": f.finished - f.admitted}
-            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces))
+            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces), f.segments)
 
 
 def build_synthesizer(model: str, device: str = "auto", profile: str | None = None,

@@ -11,6 +11,7 @@ from cosybatch.codec.config import CodecConfig
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
 from cosybatch.gpu.runtime import ProcessSettings
+from cosybatch.text.normalize import TextNormalizer
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class FrontendSettings:
 
 
 @dataclass(frozen=True)
+class TextSettings:
+    """How the frontend reads target texts (profile section ``text``)."""
+
+    normalizer: TextNormalizer = "wetext"
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything the fast pipeline needs, with every default filled in."""
 
@@ -50,3 +58,4 @@ class RunSettings:
     frontend: FrontendSettings
     slices: SliceSettings
     profile: str = ""
+    text: TextSettings = TextSettings()
