@@ -19,6 +19,7 @@ counting *characters*. Pieces made only of punctuation/symbols are dropped. Text
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 import unicodedata
@@ -38,6 +39,8 @@ __all__ = [
     "split_paragraph",
     "split_target_text",
 ]
+
+log = logging.getLogger("cosybatch.text")
 
 PROMPT_PREFIX = "You are a helpful assistant.<|endofprompt|>"
 _ENDOFPROMPT = "<|endofprompt|>"
@@ -214,7 +217,14 @@ def normalize_text(text: str, normalizer: TextNormalizer) -> tuple[str, str]:
     lang = "zh" if contains_chinese(text) else "en"
     with _LOCK:
         if normalizer == "wetext" and text:
-            text = _wetext().normalize(text)
+            try:
+                text = _wetext().normalize(text)
+            except Exception as e:
+                # wetext 0.1.8 fails an internal assertion on some texts ("Item #1 is ready.",
+                # "100+ people"), where the official frontend would fail the request; a bulk run
+                # reads such a text as without a normaliser instead, and says so.
+                log.warning("wetext cannot normalize %r (%s); read without a normalizer",
+                            text[:80], type(e).__name__)
         if lang == "zh":
             return _chinese_rules(text), lang
         return spell_out_number(text), lang
