@@ -21,7 +21,7 @@ MAX_PROMPT_SECONDS = 30.0
 # A prompt must be longer than one speech-token period (1/25 s): at 40 ms the frontend has no
 # room to reflect-pad the 24 kHz prompt mel, one sample more gives one token and a speaker
 # embedding (measured sample by sample at 16-48 kHz with the reference frontend and the tiny
-# fixture checkpoint, scripts/min_prompt.py; docs/design.md D-entry on text). Compared in whole
+# fixture checkpoint, scripts/min_prompt.py; docs/design.md D22). Compared in whole
 # frames: frames / rate <= 1 / MIN_PROMPT_PER_SECOND.
 MIN_PROMPT_PER_SECOND = 25
 # What may follow the target text: an audio file's name (by its extension). Anything else

@@ -4,7 +4,7 @@ Prompts cut from a fixture recording, sample by sample around 40 ms at several s
 go through the exact frontend (onnxruntime on the CPU) of the tiny fixture checkpoint; the
 first length that gives at least one speech token after the token/mel alignment cut and a
 finite, non-empty speaker embedding is printed beside what the official frame math predicts.
-docs/design.md (D21) records the result behind ``manifest.MIN_PROMPT_PER_SECOND``.
+docs/design.md (D22) records the result behind ``manifest.MIN_PROMPT_PER_SECOND``.
 
     python scripts/min_prompt.py [FIXTURES_DIR]
 """
