@@ -440,7 +440,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     if manifest is None:
         where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
         manifest = workload.ensure(where)
-    man = _load_manifest(manifest)
+    man = _load_manifest(manifest, profile.text.normalizer)
     if not man.rows:
         _fail(f"{manifest}: no usable rows")
     rows = select_rows(man.rows, num_prompts, seed)
