@@ -166,11 +166,26 @@ def setup_logging(verbose: bool, quiet: bool) -> None:
     setup(verbose, quiet)
 
 
-def _load_manifest(path: Path) -> Manifest:
+def _text_normalizer(profile: str | None, overrides: list[str]) -> str:
+    """The run's ``text.normalizer``, which decides whether a row has anything to synthesize.
+    Only the profile's ``text.*`` overrides are applied here: the synthesizer validates the rest
+    when it is built (a ``--synthesizer`` factory may take keys of its own)."""
+    from cosybatch.profiles import ProfileError, load_profile
+
     try:
-        man = read_manifest(path)
+        prof = load_profile(profile, [o for o in overrides if o.strip().startswith("text.")])
+    except ProfileError as e:
+        _fail(f"profile: {e}")
+    return prof.text.normalizer
+
+
+def _load_manifest(path: Path, normalizer: str = "wetext") -> Manifest:
+    try:
+        man = read_manifest(path, normalizer)
     except ManifestError as e:
         _fail(str(e))
+    if man.n_lines == 0:  # refused before any model is loaded: an empty run is a mistake, not a success
+        _fail(f"{path}: the manifest has no rows (empty, or only blank and comment lines); nothing to do")
     for p in man.problems:
         log.warning("%s", p)
     if man.problems:
@@ -362,7 +377,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
         if missing:
             _fail(missing)
     shard = _resolve_shard(shard_spec)
-    man = _load_manifest(manifest)
+    man = _load_manifest(manifest, _text_normalizer(profile, overrides))
     if strict and man.problems:
         _fail(f"--strict: {len(man.problems)} problem(s) in {manifest}; nothing was run")
     # Everything that can be checked without the model is checked before it loads (exit 2).
@@ -412,15 +427,28 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="Also count rows an earlier run already finished there.")
 @click.option("--shard", "shard_spec", default=None, metavar="I/N")
+@click.option("--profile", default=None, help="Profile name or YAML path (its text.normalizer decides what is read).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", callback=_check_overrides,
+              help="Override a profile setting (repeatable), as for synth.")
+@click.option("--show-text", is_flag=True,
+              help="Print each valid row's normalized text pieces, in synthesis order (needs --model).")
 @click.option("--verbose", "-v", is_flag=True)
 @_interruptible
-def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: str | None, verbose: bool) -> None:
-    """Validate MANIFEST (and --model) and say what synth would do, without synthesizing."""
-    from cosybatch.run.check import describe_model, describe_plan
+def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: str | None, profile: str | None,
+          overrides: list[str], show_text: bool, verbose: bool) -> None:
+    """Validate MANIFEST (and --model) and say what synth would do, without synthesizing.
+
+    Every row synth would skip is reported as FILE:LINE: REASON, including rows that can only
+    fail: a target with nothing to synthesize once normalized, a prompt too short for a speech
+    token, a '|' inside the target text."""
+    from cosybatch.run.check import describe_model, describe_plan, describe_text
 
     setup_logging(verbose, quiet=False)
+    if show_text and model is None:
+        raise click.UsageError("--show-text needs --model: pieces are measured in its tokenizer's tokens")
     shard = _resolve_shard(shard_spec)
-    man = _load_manifest(manifest)
+    normalizer = _text_normalizer(profile, overrides)
+    man = _load_manifest(manifest, normalizer)
     code = EXIT_FAILED if man.problems else EXIT_OK
     if model is not None:
         try:
@@ -431,7 +459,14 @@ def check(manifest: Path, model: str | None, out_dir: Path | None, shard_spec: s
         click.echo("\n".join(lines))
     else:
         click.echo("model: not checked (pass --model DIR_OR_REPO)")
-    click.echo("\n".join(describe_plan(man, select(man.rows, shard), shard, out_dir)))
+    rows = select(man.rows, shard)
+    if show_text:
+        try:
+            click.echo("\n".join(describe_text(model, man.path, rows, normalizer)))
+        except Exception as e:
+            log.debug("text check failed", exc_info=True)
+            _fail(f"model {model!r}: {e}")
+    click.echo("\n".join(describe_plan(man, rows, shard, out_dir)))
     sys.exit(code)
 
 
@@ -522,7 +557,7 @@ def profile_command(manifest: Path | None, model: str, device: str, concurrency:
     if manifest is None:
         where = workload_dir or Path.home() / ".cache" / "cosybatch" / "workload-en1088"
         manifest = workload.ensure(where)
-    man = _load_manifest(manifest)
+    man = _load_manifest(manifest, profile.text.normalizer)
     if not man.rows:
         _fail(f"{manifest}: no usable rows")
     rows = select_rows(man.rows, num_prompts, seed)

@@ -1,8 +1,10 @@
 """Seed-TTS manifests (``meta.lst``): parsing and validation with ``file:line`` reasons.
 
-A row is ``utt_id|prompt_text|prompt_wav|target_text[|extra]``. Everything is checked
-before any model work so that a 100k-row run never dies on row 73,412 because of a
-typo; bad rows become :class:`Problem`s, good rows become :class:`ManifestRow`s.
+A row is ``utt_id|prompt_text|prompt_wav|target_text[|extra]``; ``extra``, when present, is
+an audio file name (Seed-TTS lists carry the ground-truth recording there) and is not read.
+Everything is checked before any model work so that a 100k-row run never dies on row 73,412
+because of a typo, or on a row that can only fail: bad rows become :class:`Problem`s, good
+rows become :class:`ManifestRow`s.
 """
 
 from __future__ import annotations
@@ -12,8 +14,20 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosybatch.text.normalize import TextNormalizer, has_speech
+
 MIN_PROMPT_SR = 16000
 MAX_PROMPT_SECONDS = 30.0
+# A prompt must be longer than one speech-token period (1/25 s): at 40 ms the frontend has no
+# room to reflect-pad the 24 kHz prompt mel, one sample more gives one token and a speaker
+# embedding (measured sample by sample at 16-48 kHz with the reference frontend and the tiny
+# fixture checkpoint, scripts/min_prompt.py; docs/design.md D23). Compared in whole
+# frames: frames / rate <= 1 / MIN_PROMPT_PER_SECOND.
+MIN_PROMPT_PER_SECOND = 25
+# What may follow the target text: an audio file's name (by its extension). Anything else
+# means the target text held a '|' and the row would be cut there.
+AUDIO_SUFFIXES = frozenset({".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".aac", ".aif", ".aiff",
+                            ".aifc", ".au", ".snd", ".caf", ".w64", ".rf64", ".sph", ".nist", ".wv", ".webm", ".pcm"})
 # Leaves room for the audio suffix (".flac" at most) and the writer's temp-file decoration
 # inside NAME_MAX (255 bytes).
 MAX_UTT_ID_BYTES = 200
@@ -117,12 +131,19 @@ def probe_prompt(path: Path) -> PromptInfo | str:
     seconds = info.frames / info.samplerate
     if seconds > MAX_PROMPT_SECONDS:
         return f"prompt wav is {seconds:.1f} s long, over the {MAX_PROMPT_SECONDS:g} s limit: {path}"
+    if info.frames * MIN_PROMPT_PER_SECOND <= info.samplerate:
+        return (f"prompt wav is {seconds * 1000:.1f} ms long; a prompt must be longer than "
+                f"{1000 // MIN_PROMPT_PER_SECOND} ms to give a speech token: {path}")
     return PromptInfo(int(info.samplerate), float(seconds), int(st.st_size), int(st.st_mtime_ns))
 
 
 def _short(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return msg[:200]
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _decode(raw: bytes) -> tuple[str | None, str | None]:
@@ -137,8 +158,13 @@ def _resolve(base_dir: Path, raw: str) -> Path:
     return p if p.is_absolute() else base_dir / p
 
 
-def parse_manifest_bytes(data: bytes, source: str, base_dir: Path) -> Manifest:
-    """Parse manifest bytes; never raises, every defect becomes a Problem."""
+def is_audio_name(field: str) -> bool:
+    return Path(field).suffix.lower() in AUDIO_SUFFIXES
+
+
+def parse_manifest_bytes(data: bytes, source: str, base_dir: Path, normalizer: TextNormalizer = "wetext") -> Manifest:
+    """Parse manifest bytes; never raises, every defect becomes a Problem. ``normalizer``: the
+    run's ``text.normalizer``, which decides whether a target leaves anything to synthesize."""
     man = Manifest(path=source)
     if data.startswith(_BOM):
         data = data[len(_BOM):]
@@ -155,13 +181,24 @@ def parse_manifest_bytes(data: bytes, source: str, base_dir: Path) -> Manifest:
         fields = [f.strip() for f in text.split("|")]
         if len(fields) == 5 and not fields[4]:
             fields = fields[:4]  # a trailing '|' is a harmless slip, not a missing field
-        if len(fields) not in (4, 5):
+        if len(fields) < 4:
             man.problems.append(Problem(
                 source, lineno,
-                f"expected 4 or 5 '|'-separated fields (utt_id|prompt_text|prompt_wav|target_text[|extra]),"
+                f"expected 4 or 5 '|'-separated fields (utt_id|prompt_text|prompt_wav|target_text[|audio file]),"
                 f" found {len(fields)}"))
             continue
+        if len(fields) > 5 or (len(fields) == 5 and not is_audio_name(fields[4])):
+            # Never cut the text: the row is refused with the rest of the line in view.
+            rest = "|".join(fields[3:])
+            man.problems.append(Problem(
+                source, lineno,
+                f"the target text contains '|' ({_clip(rest)!r}); only an audio file name may follow it "
+                f"as a 5th field -- write the text without '|'"))
+            continue
         row_problems = _check_fields(fields, source, lineno)
+        if fields[3] and not has_speech(fields[3], normalizer):
+            row_problems.append(Problem(source, lineno, f"target text has nothing to synthesize after "
+                                        f"normalization ({normalizer}): {_clip(fields[3])!r}"))
         utt_id = fields[0]
         if utt_id:
             if utt_id in first_line_of:
@@ -199,7 +236,7 @@ def _check_fields(fields: list[str], source: str, lineno: int) -> list[Problem]:
     return out
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
+def read_manifest(path: str | os.PathLike, normalizer: TextNormalizer = "wetext") -> Manifest:
     """Read and validate a manifest file; ManifestError only if the file itself is unusable."""
     p = Path(path)
     try:
@@ -211,4 +248,4 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     except OSError as e:
         raise ManifestError(f"{p}: cannot read manifest ({_short(e)})") from None
     # The manifest's own folder (not a symlink target) anchors relative prompt paths.
-    return parse_manifest_bytes(data, str(p), p.absolute().parent)
+    return parse_manifest_bytes(data, str(p), p.absolute().parent, normalizer)

@@ -26,6 +26,9 @@ class RowResult:
     # the sequential reference engine, frontend_s, llm_s, flow_s, hift_s: what is known
     timings: dict[str, float]
     chunks: int
+    # The normalized target pieces in the order they were synthesized (the ledger's
+    # ``segments``); None from a synthesizer that does not know them.
+    segments: list[str] | None = None
 
 
 def pick_device(device: str) -> torch.device:
@@ -48,7 +51,7 @@ class ReferenceSynthesizer:
         from cosybatch.checkpoint import load_models
         from cosybatch.frontend.frontend import Frontend
         from cosybatch.profiles import load_profile
-        from cosybatch.profiles.resolve import resolve_sampling
+        from cosybatch.profiles.resolve import resolve_sampling, resolve_text
         from cosybatch.reference.pipeline import ReferencePipeline
         from cosybatch.gpu.runtime import ProcessSettings, apply_process_settings
 
@@ -61,9 +64,11 @@ class ReferenceSynthesizer:
         self.model_dir, self.device = model_dir, device
         if device.type == "cuda":  # the exact path: no TF32 anywhere (cuDNN enables it by default)
             apply_process_settings(ProcessSettings(cudnn_tf32=False, matmul_tf32=False))
+        self.text = resolve_text(profile.text)
         self.models = load_models(model_dir, device=str(device))
         # onnxruntime on the CPU: the exact path's frontend, whatever the device
-        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache)
+        self.frontend = Frontend(model_dir, self.models.cfg, backend="onnxruntime", disk_cache=prompt_cache,
+                                 text_normalizer=self.text.normalizer)
         self.sample_rate = self.models.cfg.sample_rate
         self.streaming = profile.mode == "streaming"
         self.sampling = resolve_sampling(s, self.models.cfg.llm.sampling)
@@ -71,7 +76,8 @@ class ReferenceSynthesizer:
                                           enforce_min_len=s.enforce_min_len, seed=s.seed)
 
     def fingerprint(self) -> dict:
-        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling)}
+        return {"model": str(self.model_dir), "engine": "reference", "sampling": vars(self.sampling),
+                "text_normalizer": self.text.normalizer}
 
     def describe(self) -> dict:
         return _describe(self.model_dir, self.device, "reference")
@@ -87,6 +93,7 @@ class ReferenceSynthesizer:
             tokens=sum(len(s.llm_tokens) for s in trace.segments),
             timings=trace.timings,
             chunks=sum(len(s.chunk_wavs) for s in trace.segments),
+            segments=list(trace.segment_texts),
         )
 
 
@@ -119,7 +126,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     with clock.phase("frontend"):
         frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
                             split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
-                            disk_cache=prompt_cache, warmup=False)
+                            disk_cache=prompt_cache, warmup=False, text_normalizer=settings.text.normalizer)
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()
@@ -155,6 +162,7 @@ class FastSynthesizer:
                 # HiFT always runs in float32 (F0 in float64); the key keeps older OUT folders resumable
                 "hift_dtype": "float32", "hift_tf32": bool(s.process.cudnn_tf32),
                 "chunk_causal_final": s.codec.chunk_causal_final, "force_length": self.force_length,
+                "text_normalizer": self.pipeline.frontend.text_normalizer,
                 # only when it changes the tokens, so float32 runs resume across frontend paths
                 **({"prompt_features": "bfloat16"} if self.pipeline.frontend.bfloat16 else {})}
 
@@ -204,7 +212,7 @@ class FastSynthesizer:
             timings = {"first_chunk_s": first, "total_s": f.finished - f.admitted}
             if began is not None:
                 timings["queue_s"] = max(0.0, began - f.admitted)
-            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces))
+            yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces), f.segments)
 
 
 class _ArStarts:

@@ -83,4 +83,5 @@ def parts(model_dir):
     from cosybatch.frontend.frontend import Frontend
 
     models = load_models(model_dir)
-    return models, Frontend(model_dir, models.cfg)
+    # compared with the fixtures, which were made with no text normaliser installed
+    return models, Frontend(model_dir, models.cfg, text_normalizer="none")

@@ -151,6 +151,8 @@ def build(model: str, device: str, profile: str | None, overrides: list[str], st
             threading.Thread(target=threading.Event().wait, name="cosybatch-fake-straggler", daemon=True).start()
         elif key == "boom":
             raise ValueError(f"fake synthesizer setup failed: {value}")
+        elif key.startswith("text."):
+            pass  # a profile key the CLI reads itself to validate the manifest's texts
         else:
             raise ValueError(f"unknown fake setting {key!r}")
     return FakeSynth(**kw)

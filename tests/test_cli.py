@@ -285,3 +285,79 @@ def test_interrupt_signal_gives_130_or_143_and_a_consistent_ledger(tmp_path, sig
     _assert_every_wav_complete(out, man)
     assert json.loads((out / "timing.json").read_text())["interrupted"] is True
     assert not [p.name for p in out.iterdir() if ".cbtmp" in p.name]
+
+
+def _rows_that_can_only_fail(tmp_path):
+    """Two good rows around every kind of row that cannot work (issue #30), by line."""
+    man = make_manifest(tmp_path, 2)
+    sf.write(str(tmp_path / "prompts" / "tiny.wav"), np.full(24000 // 25, 0.1, np.float32), 24000)  # 40 ms
+    bad = {
+        3: ("x3|P.|prompts/a.wav|Pick A|B, then go.", "the target text contains '|' ('Pick A|B, then go.')"),
+        4: ("x4|P.|prompts/a.wav|...!?", "target text has nothing to synthesize after normalization (wetext)"),
+        5: ("x5|P.|prompts/a.wav|\U0001F600\U0001F44D", "target text has nothing to synthesize"),
+        6: ("x6|P.|prompts/tiny.wav|Fine text.", "a prompt must be longer than 40 ms"),
+    }
+    with open(man, "a") as f:
+        f.write("".join(line + "\n" for line, _ in bad.values()) + "u2|P.|prompts/b.wav|It costs $3.50.|gt/u2.wav\n")
+    return man, bad
+
+
+def test_check_reports_every_row_that_can_only_fail_and_synth_skips_them(tmp_path):
+    man, bad = _rows_that_can_only_fail(tmp_path)
+    res = _invoke("check", man)
+    assert res.exit_code == 1
+    for n, (_, why) in bad.items():
+        assert any(f"{man}:{n}: " in ln and why in ln for ln in res.stderr.splitlines()), (n, why)
+    assert "3 valid row(s), 4 line(s) with problems" in res.stdout
+
+    out = tmp_path / "out"
+    res = _invoke("synth", man, "--out", out, *FAKE, "--wav-subtype", "FLOAT", "-q")
+    assert res.exit_code == 1
+    assert sorted(_ok_ids(out)) == ["u0", "u1", "u2"]  # the good rows, untouched
+    audio, _ = sf.read(str(out / "u2.wav"), dtype="float32")
+    np.testing.assert_array_equal(audio, expected_audio("u2", "It costs $3.50."))
+    inv = {r["line"]: r["reason"] for r in _ledger(out) if r["event"] == "invalid"}
+    assert sorted(inv) == sorted(bad) and all(bad[n][1] in inv[n] for n in bad)
+
+    res = _invoke("synth", man, "--out", tmp_path / "strict", *FAKE, "--strict")
+    assert res.exit_code == 2 and "--strict: 4 problem(s)" in res.stderr
+    assert not (tmp_path / "strict").exists()
+
+
+def test_the_profile_normalizer_decides_what_is_left_to_synthesize(tmp_path):
+    man = make_manifest(tmp_path, 1)
+    with open(man, "a") as f:
+        f.write("x2|P.|prompts/a.wav|$\n")  # wetext reads "dollar"; without it, only a symbol
+    assert _invoke("check", man).exit_code == 0
+    res = _invoke("check", man, "--set", "text.normalizer=none")
+    assert res.exit_code == 1 and f"{man}:2: target text has nothing to synthesize after normalization (none)" in res.stderr
+    res = _invoke("synth", man, "--out", tmp_path / "out", *FAKE, "--set", "text.normalizer=none", "-q")
+    assert res.exit_code == 1 and _ok_ids(tmp_path / "out") == ["u0"]
+    res = _invoke("check", man, "--set", "text.normalizer=ttsfrd")
+    assert res.exit_code == 2 and "text.normalizer: expected one of 'wetext', 'none'" in res.stderr
+
+
+@pytest.mark.parametrize("content", ["", "# only a comment\n\n   \n"])
+def test_an_empty_manifest_is_refused_before_any_model_work(tmp_path, content):
+    man = tmp_path / "empty.lst"
+    man.write_text(content)
+    res = _invoke("check", man, "--model", tmp_path / "no_model_here")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.strip().count("\n") == 0 and f"{man}: the manifest has no rows" in res.stderr
+    # a factory that fails when called shows that synth stopped before building anything
+    res = _invoke("synth", man, "--out", tmp_path / "out", *FAKE, "--set", "boom=no weights")
+    assert res.exit_code == 2 and "no rows" in res.stderr and "cannot set up" not in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_show_text_prints_each_rows_pieces(tmp_path, model_dir):
+    man = make_manifest(tmp_path, 1, text="It costs $3.50 on 12/03/2025.")
+    res = _invoke("check", man, "--model", model_dir, "--show-text")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    i = lines.index(f"{man}:1: u0: 1 segment(s)")
+    assert lines[i + 1] == "  1. It costs three point five dollars on the third of december twenty twenty five."
+    res = _invoke("check", man, "--model", model_dir, "--show-text", "--set", "text.normalizer=none")
+    assert "  1. It costs $three.fifty on twelve/three/two thousand and twenty-five." in res.stdout.splitlines()
+    res = _invoke("check", man, "--show-text")
+    assert res.exit_code == 2 and "--show-text needs --model" in res.output

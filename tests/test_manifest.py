@@ -39,14 +39,14 @@ def _one_problem(man, line: int) -> str:
 def test_good_rows_parse_with_resolved_paths_and_header_info(folder):
     absolute = folder / "p" / "ok24.wav"
     man = _read(folder, "\ufeff# comment\n\n a | Prompt one. | p/ok16.wav | Target one. \r\n"
-                        f"b|Prompt two.|{absolute}|Target two.|extra stuff\n   \n#x|y\n")
+                        f"b|Prompt two.|{absolute}|Target two.|ref/b.wav\n   \n#x|y\n")
     assert man.problems == []
     a, b = man.rows
     assert (a.utt_id, a.prompt_text, a.target_text, a.extra, a.line) == ("a", "Prompt one.", "Target one.", None, 3)
     assert a.prompt_wav == folder / "p" / "ok16.wav"
     assert (a.prompt_sr, round(a.prompt_s, 3)) == (16000, 1.0)
     assert a.prompt_size == os.path.getsize(a.prompt_wav)
-    assert (b.prompt_wav, b.extra, b.prompt_sr, b.line) == (absolute, "extra stuff", 24000, 4)
+    assert (b.prompt_wav, b.extra, b.prompt_sr, b.line) == (absolute, "ref/b.wav", 24000, 4)
 
 
 def test_trailing_pipe_is_tolerated(folder):
@@ -56,7 +56,16 @@ def test_trailing_pipe_is_tolerated(folder):
 
 @pytest.mark.parametrize("line,expect", [
     ("a|P.|p/ok16.wav", "expected 4 or 5 '|'-separated fields"),
-    ("a|P.|p/ok16.wav|T.|x|y", "found 6"),
+    # a '|' in the target text: refused with the text in view, never cut into a 5th field
+    ("a|P.|p/ok16.wav|T.|x|y", "the target text contains '|' ('T.|x|y')"),
+    ("a|P.|p/ok16.wav|Choose A|B.", "the target text contains '|' ('Choose A|B.')"),
+    ("a|P.|p/ok16.wav|A|B|ref.wav", "the target text contains '|'"),
+    # nothing left to synthesize once normalized
+    ("a|P.|p/ok16.wav|...!?", "target text has nothing to synthesize after normalization (wetext): '...!?'"),
+    ("a|P.|p/ok16.wav|\U0001F600\U0001F389", "nothing to synthesize"),
+    ("a|P.|p/ok16.wav|。！……", "nothing to synthesize"),
+    # a prompt too short for one speech token
+    ("a|P.|p/short40ms.wav|T.", "40.0 ms long; a prompt must be longer than 40 ms to give a speech token"),
     ("just some text", "found 1"),
     ("|P.|p/ok16.wav|T.", "empty field: utt_id"),
     ("a||p/ok16.wav|T.", "empty field: prompt_text"),
@@ -84,6 +93,7 @@ def test_each_bad_case_has_its_message_and_line(folder, line, expect):
     sf.write(str(folder / "p" / "zero_frames.wav"), np.zeros(0, np.float32), 16000)
     write_prompt(folder / "p" / "low8k.wav", 1.0, 8000)
     write_prompt(folder / "p" / "long31s.wav", 31.0, 16000)
+    write_prompt(folder / "p" / "short40ms.wav", 0.040, 24000)
     man = _read(folder, f"# header\ngood|P.|p/ok16.wav|T.\n{line}\n")
     assert [r.utt_id for r in man.rows] == ["good"]
     assert expect in _one_problem(man, 3)
@@ -93,6 +103,34 @@ def test_exactly_30_seconds_and_16k_are_accepted(folder):
     write_prompt(folder / "p" / "edge.wav", 30.0, 16000)
     man = _read(folder, "a|P.|p/edge.wav|T.\n")
     assert man.problems == [] and man.rows[0].prompt_s == 30.0
+
+
+def test_prompt_length_edge_is_one_speech_token(folder):
+    # 40 ms exactly is refused (the frontend has no room to pad its prompt mel); one sample more
+    # gives a token (scripts/min_prompt.py) and is accepted, at every rate
+    for sr in (16000, 22050, 24000, 48000):
+        sf.write(str(folder / "p" / f"at{sr}.wav"), np.full(sr // 25, 0.1, np.float32), sr)
+        sf.write(str(folder / "p" / f"over{sr}.wav"), np.full(sr // 25 + 1, 0.1, np.float32), sr)
+    man = _read(folder, "".join(f"a{sr}|P.|p/at{sr}.wav|T.\nb{sr}|P.|p/over{sr}.wav|T.\n"
+                                for sr in (16000, 22050, 24000, 48000)))
+    assert [r.utt_id for r in man.rows] == ["b16000", "b22050", "b24000", "b48000"]
+    assert all("must be longer than 40 ms" in p.reason for p in man.problems) and len(man.problems) == 4
+
+
+def test_an_audio_file_name_may_follow_the_target_text(folder):
+    man = _read(folder, "a|P.|p/ok16.wav|T.|gt/a.WAV\nb|P.|p/ok16.wav|T.|gt/b.flac\nc|P.|p/ok16.wav|T.|b.\n")
+    assert [(r.utt_id, r.extra) for r in man.rows] == [("a", "gt/a.WAV"), ("b", "gt/b.flac")]
+    assert "the target text contains '|' ('T.|b.')" in _one_problem(man, 3)
+
+
+def test_what_is_left_to_synthesize_follows_the_normalizer(folder):
+    # wetext reads a lone "$" as "dollar"; without a normaliser it is punctuation and dropped
+    text = "a|P.|p/ok16.wav|$\nb|P.|p/ok16.wav|Item 1.\n"
+    (folder / "meta.lst").write_text(text)
+    assert [r.utt_id for r in read_manifest(folder / "meta.lst").rows] == ["a", "b"]
+    man = read_manifest(folder / "meta.lst", "none")
+    assert [r.utt_id for r in man.rows] == ["b"]
+    assert "nothing to synthesize after normalization (none): '$'" in _one_problem(man, 1)
 
 
 def test_duplicate_ids_reported_at_the_later_line(folder):

@@ -35,6 +35,7 @@ from cosybatch.models.config import ModelConfig
 from cosybatch.frontend.cache import FORMAT, PromptCache, content_key, file_digest
 from cosybatch.frontend.torch_backend import RawFeatures
 from cosybatch.prompt import PromptFeatures
+from cosybatch.text.normalize import NORMALIZERS, TextNormalizer
 
 log = logging.getLogger("cosybatch.frontend.frontend")
 
@@ -135,8 +136,13 @@ class Frontend:
         warmup: bool = True,
         split_tf32: bool = False,
         row_bucket: int = 1,
+        text_normalizer: TextNormalizer = "wetext",
     ):
         self.model_dir = Path(model_dir)
+        # The profile's text.normalizer ("none" for runs compared with the fixtures).
+        if text_normalizer not in NORMALIZERS:
+            raise ValueError(f"text_normalizer must be one of {', '.join(NORMALIZERS)}, got {text_normalizer!r}")
+        self.text_normalizer = text_normalizer
         self.cfg = cfg
         self._tokenizer = tokenizer
         if fbank not in ("cpu", "device"):
@@ -197,7 +203,7 @@ class Frontend:
 
         tok = self.tokenizer
         prompt_ids = torch.tensor(tok.encode(prompt_text_for(prompt_transcript)), dtype=torch.long)
-        texts = list(split_target_text(target_text, tok))
+        texts = list(split_target_text(target_text, tok, normalizer=self.text_normalizer))
         if not texts:
             raise ValueError(f"target text has nothing to synthesise: {target_text!r}")
         segments = [torch.tensor(tok.encode(t), dtype=torch.long) for t in texts]

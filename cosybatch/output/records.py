@@ -58,6 +58,9 @@ def ok_record(row: ManifestRow, res: Any, elapsed: float | None, fp_sha: str) ->
     rec = {**base_record(row, fp_sha), "status": "ok", "sample_rate": sr,
            "audio_s": round(len(audio) / sr, 6), "tokens": tokens, "chunks": chunks,
            "prompt_s": round(row.prompt_s, 4), "timings": timings}
+    segments = getattr(res, "segments", None)
+    if segments is not None:  # the transcript actually spoken: what normalization made of the target
+        rec["segments"] = [str(s) for s in segments]
     return rec, audio
 
 

@@ -4,8 +4,8 @@
 from cosybatch.profiles.loader import (available_profiles, describe_profiles, load_profile, parse_override,
                                        profiles_dirs, resolve_profile_path)
 from cosybatch.profiles.schema import (ARProfile, CodecProfile, HopsProfile, Optimizations, Profile, ProfileError,
-                                       SamplingProfile)
+                                       SamplingProfile, TextProfile)
 
 __all__ = ["ARProfile", "CodecProfile", "HopsProfile", "Optimizations", "Profile", "ProfileError",
-           "SamplingProfile", "available_profiles", "describe_profiles", "load_profile", "parse_override",
+           "SamplingProfile", "TextProfile", "available_profiles", "describe_profiles", "load_profile", "parse_override",
            "profiles_dirs", "resolve_profile_path"]

@@ -17,9 +17,10 @@ from cosybatch.codec.config import CodecConfig
 from cosybatch.models.config import ModelConfig, SamplingConfig, resolve_dtype
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
-from cosybatch.profiles.schema import ARProfile, FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile
+from cosybatch.profiles.schema import (ARProfile, FrontendProfile, HopsProfile, Profile, ProfileError, SamplingProfile,
+                                       TextProfile)
 from cosybatch.gpu.runtime import ProcessSettings, triton_available
-from cosybatch.scheduler.settings import FrontendSettings, RunSettings, SliceSettings
+from cosybatch.scheduler.settings import FrontendSettings, RunSettings, SliceSettings, TextSettings
 
 log = logging.getLogger("cosybatch.profiles")
 
@@ -33,6 +34,11 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
     return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.row_bucket, f.warmup)
+
+
+def resolve_text(t: TextProfile) -> TextSettings:
+    """The text settings both engines hand their frontend (the reference path resolves only these)."""
+    return TextSettings(normalizer=t.normalizer)
 
 
 def resolve_sampling(s: SamplingProfile, checkpoint: SamplingConfig) -> SamplingParams:
@@ -99,7 +105,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),
                        frontend_workers=c.frontend_workers, frontend=resolve_frontend(profile.frontend, device),
-                       profile=profile.name,
+                       profile=profile.name, text=resolve_text(profile.text),
                        slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3,
                                             c.max_wait_ms / 1e3,
                                             None if c.deadline_lead_ms is None else c.deadline_lead_ms / 1e3,

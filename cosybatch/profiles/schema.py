@@ -172,6 +172,17 @@ class SamplingProfile:
 
 
 @dataclass(frozen=True)
+class TextProfile:
+    """How target texts are read (``cosybatch.text.normalize``)."""
+
+    # wetext: the official frontend as installed by its requirements (numbers, money, dates,
+    # times read as words; decimals stay in one sentence); none: the official frontend with no
+    # normaliser installed, digits read one run at a time by inflect -- how the parity fixtures
+    # were made, so every comparison with them sets it.
+    normalizer: Literal["wetext", "none"] = "wetext"
+
+
+@dataclass(frozen=True)
 class Profile:
     engine: Literal["reference", "fast"] = "fast"
     mode: Literal["streaming", "full"] = "full"
@@ -183,6 +194,7 @@ class Profile:
     hops: HopsProfile = field(default_factory=HopsProfile)
     optimizations: Optimizations = field(default_factory=Optimizations)
     sampling: SamplingProfile = field(default_factory=SamplingProfile)
+    text: TextProfile = field(default_factory=TextProfile)
     # Not YAML keys: what was loaded and from where.
     name: str = field(default="", metadata={"meta": True})
     requires: tuple[tuple[str, Any], ...] = field(default=(), metadata={"meta": True})

@@ -32,6 +32,7 @@ class RowTrace:
     segments: list[SegmentTrace]
     audio: np.ndarray
     timings: dict[str, float]
+    segment_texts: list[str] = field(default_factory=list)  # the normalized piece behind each segment
 
 
 class _Clock:
@@ -124,7 +125,8 @@ class ReferencePipeline:
         timings = dict(clock.t)
         timings["first_chunk_s"] = first_chunk_at if first_chunk_at is not None else float("nan")
         timings["total_s"] = time.perf_counter() - t_start
-        return RowTrace(segments=segments, audio=audio.astype(np.float32), timings=timings)
+        return RowTrace(segments=segments, audio=audio.astype(np.float32), timings=timings,
+                        segment_texts=list(text.segment_texts))
 
 
 def _drain(planner, trace, emit, finished: bool) -> None:

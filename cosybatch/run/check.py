@@ -31,6 +31,21 @@ def describe_model(model: str) -> list[str]:
     ]
 
 
+def describe_text(model: str, path: str, rows: list[ManifestRow], normalizer: str) -> list[str]:
+    """Each row's target as it will be synthesized: ``file:line: utt_id`` then its pieces, numbered
+    (the checkpoint's tokenizer measures the English pieces; no weights are loaded)."""
+    from cosybatch.checkpoint import resolve_model_dir
+    from cosybatch.text import CosyVoice3Tokenizer, split_target_text
+
+    tok = CosyVoice3Tokenizer.from_dir(resolve_model_dir(model) / "CosyVoice-BlankEN")
+    lines = [f"text: normalizer {normalizer}"]
+    for row in rows:
+        pieces = split_target_text(row.target_text, tok, normalizer=normalizer)
+        lines.append(f"{path}:{row.line}: {row.utt_id}: {len(pieces)} segment(s)")
+        lines.extend(f"  {i}. {p}" for i, p in enumerate(pieces, 1))
+    return lines
+
+
 def _already_done(rows: list[ManifestRow], out_dir: Path) -> int:
     """Rows an earlier run finished with these inputs (settings are checked only by synth)."""
     return len(finished_rows(rows, out_dir))

@@ -55,6 +55,7 @@ class _Row:
     prompt_text_ids: torch.Tensor
     segments: list[torch.Tensor]
     schedule: HopSchedule
+    texts: tuple[str, ...] = ()  # the normalized piece behind each segment (reported when done)
     seg: int = 0
     tokens: list[int] = field(default_factory=list)  # flow tokens of the current segment
     generated: int = 0  # raw speech tokens the LM produced for the row, all segments
@@ -284,7 +285,8 @@ class FastPipeline:
             prompt = PromptFeatures(feats.speech_tokens, h2d(feats.embedding, device=self.device),
                                     h2d(feats.mel, device=self.device))
             first, mx, scale = self.hops
-            row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale))
+            row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale),
+                       texts=tuple(text.segment_texts))
             self._rows[rid] = row
             self._start_segment(row)
         return progressed
@@ -442,7 +444,7 @@ class FastPipeline:
                     self._start_segment(row)
                 else:
                     del self._rows[o.row_id]
-                    self._events.append(Event(o.row_id, "done", tokens=row.generated))
+                    self._events.append(Event(o.row_id, "done", tokens=row.generated, segments=row.texts))
         return bool(outcomes)
 
     def _fail(self, row: _Row, e: Exception) -> None:

@@ -48,6 +48,7 @@ class Event:
     audio: np.ndarray | None = None  # float32 mono PCM for "chunk"; may be empty
     error: str | None = None  # for "error"
     tokens: int | None = None  # for "done": speech tokens the LM generated for the row (raw ids)
+    segments: tuple[str, ...] | None = None  # for "done": the normalized text pieces, in synthesis order
 
     def __post_init__(self) -> None:
         if self.kind not in ("chunk", "done", "error"):
@@ -91,6 +92,7 @@ class Finished:
     chunks: list[tuple[float, np.ndarray]] = field(default_factory=list)  # (time, PCM), in order
     error: str | None = None
     tokens: int | None = None  # the done event's speech-token count
+    segments: list[str] | None = None  # the done event's text pieces
 
 
 def drive(pipeline: StreamingPipeline, requests: Iterable[SynthRequest], concurrency: int,
@@ -129,4 +131,5 @@ def drive(pipeline: StreamingPipeline, requests: Iterable[SynthRequest], concurr
             if ev.kind == "error":
                 f.error = ev.error or "error"
             f.tokens = ev.tokens
+            f.segments = None if ev.segments is None else list(ev.segments)
             yield f

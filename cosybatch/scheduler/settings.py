@@ -11,6 +11,7 @@ from cosybatch.codec.config import CodecConfig
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.request import SamplingParams
 from cosybatch.gpu.runtime import ProcessSettings
+from cosybatch.text.normalize import TextNormalizer
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class FrontendSettings:
 
 
 @dataclass(frozen=True)
+class TextSettings:
+    """How the frontend reads target texts (profile section ``text``)."""
+
+    normalizer: TextNormalizer = "wetext"
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything the fast pipeline needs, with every default filled in."""
 
@@ -55,3 +63,4 @@ class RunSettings:
     # "serial": the AR step and the codec on one stream; "beside": the AR step on a
     # high-priority stream of its own (design.md D22; CUDA with a graphed decode only)
     ar_stream: str = "serial"
+    text: TextSettings = TextSettings()

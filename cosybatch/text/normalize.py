@@ -1,31 +1,46 @@
-"""Target-text normalisation and splitting, as the official frontend does it without a
-text-normalisation engine (no ttsfrd, no wetext: wetext downloads its grammars at
-construction, so an offline official install falls back to exactly this path).
+"""Target-text normalisation and splitting, as the official CosyVoice3 frontend does it.
 
-English: strip -> digits spelled out (inflect's ``number_to_words``) -> ``split_paragraph``
-counting *tokenizer tokens*.  Chinese (any CJK ideograph present): strip -> newlines dropped ->
-blanks between non-ASCII characters dropped -> ``²``/``³`` -> 平方/立方 -> ``.`` -> ``。`` ->
-`` - `` -> ``，`` -> brackets removed -> trailing commas -> ``。`` -> ``split_paragraph``
-counting *characters*.  Pieces made only of punctuation/symbols are dropped.
+Two settings (profile key ``text.normalizer``):
+
+* ``wetext`` (the default): what the official frontend does with ``wetext`` installed (its
+  requirements pin it; 0.1.x carries its grammars in the wheel and works offline).
+* ``none``: what it does with no normaliser at all (no ttsfrd, no wetext) -- how the parity
+  fixtures were made, so every comparison with them uses it.
+
+English: strip -> ``wetext.Normalizer().normalize`` (``wetext`` only) -> every digit run still
+left read by ``inflect``'s ``number_to_words`` -> ``split_paragraph`` counting *tokenizer
+tokens*. Chinese (any CJK ideograph present): strip -> wetext (``wetext`` only) -> newlines
+dropped -> blanks between non-ASCII characters dropped -> ``²``/``³`` -> 平方/立方 -> ``.`` ->
+``。`` -> `` - `` -> ``，`` -> brackets removed -> trailing commas -> ``。`` -> ``split_paragraph``
+counting *characters*. Pieces made only of punctuation/symbols are dropped. Text holding both
+``<|`` and ``|>`` (markup) is passed through untouched.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
+import threading
 import unicodedata
 from itertools import groupby
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 __all__ = [
+    "NORMALIZERS",
     "PROMPT_PREFIX",
+    "TextNormalizer",
     "contains_chinese",
+    "has_speech",
     "is_only_punctuation",
-    "number_to_words",
+    "normalize_text",
     "prompt_text_for",
     "spell_out_number",
     "split_paragraph",
     "split_target_text",
 ]
+
+log = logging.getLogger("cosybatch.text")
 
 PROMPT_PREFIX = "You are a helpful assistant.<|endofprompt|>"
 _ENDOFPROMPT = "<|endofprompt|>"
@@ -59,64 +74,52 @@ def is_only_punctuation(text: str) -> bool:
     return all(unicodedata.category(c)[0] in "PS" for c in text)
 
 
-# ---------------------------------------------------------------- numbers -----------------
-_UNITS = ["", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-_TEENS = ["ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
-_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
-_SCALES = ["", "thousand", "million", "billion", "trillion", "quadrillion", "quintillion",
-           "sextillion", "septillion", "octillion", "nonillion", "decillion"]  # fmt: skip
+# ---------------------------------------------------------------- engines -----------------
+# The profile's ``text.normalizer``: what the official frontend would find installed.
+TextNormalizer = Literal["wetext", "none"]
+NORMALIZERS: tuple[str, ...] = get_args(TextNormalizer)
+
+# wetext and inflect keep per-call state on shared objects (inflect's engine stores the
+# arguments of the call in progress; wetext fills its grammar cache on first use), and the
+# frontend prepares texts on several worker threads: one text is normalised at a time.
+_LOCK = threading.Lock()
 
 
-def _below_hundred(n: int) -> str:
-    if n < 10:
-        return _UNITS[n]
-    if n < 20:
-        return _TEENS[n - 10]
-    return _TENS[n // 10] + ("-" + _UNITS[n % 10] if n % 10 else "")
+@functools.cache
+def _wetext():
+    """The one ``wetext.Normalizer`` of the process, built on first use: the official frontend
+    builds its two (zh with remove_erhua=False, en) with wetext's defaults -- language detected,
+    text normalisation -- which makes them the same normaliser."""
+    import wetext
+
+    return wetext.Normalizer()
 
 
-def _below_thousand(n: int) -> str:
-    hundreds, rest = divmod(n, 100)
-    if not hundreds:
-        return _below_hundred(rest)
-    return f"{_UNITS[hundreds]} hundred" + (f" and {_below_hundred(rest)}" if rest else "")
+@functools.cache
+def _inflect():
+    import inflect
 
-
-def number_to_words(digits: str) -> str:
-    """inflect's ``engine().number_to_words`` for a plain digit string (its defaults): groups
-    of three joined by ", ", and "and" before a final group below one hundred
-    ("1986" -> "one thousand, nine hundred and eighty-six", "1001" -> "one thousand and one")."""
-    n = int(digits)
-    if n == 0:
-        return "zero"
-    groups = []
-    while n:
-        n, g = divmod(n, 1000)
-        groups.append(g)
-    if len(groups) > len(_SCALES):  # inflect raises here; read such runs digit by digit
-        return " ".join(number_to_words(d) for d in str(int(digits)))
-    words = [
-        (_below_thousand(g) + (" " + _SCALES[i] if i else ""))
-        for i, g in reversed(list(enumerate(groups)))
-        if g
-    ]
-    last = groups[0]
-    if len(words) > 1 and 0 < last < 100:
-        return ", ".join(words[:-1]) + " and " + words[-1]
-    return ", ".join(words)
+    return inflect.engine()
 
 
 def spell_out_number(text: str) -> str:
-    """Every maximal run of ``str.isdigit()`` characters replaced by its English words
-    (official ``spell_out_number``)."""
+    """Every maximal run of ``str.isdigit()`` characters replaced by inflect's
+    ``number_to_words`` (official ``spell_out_number``). Two departures where the official
+    raises: a digit that is not ASCII (``²``) is read as its value, and a run too long for
+    inflect is read digit by digit."""
+    import inflect
+
     out = []
     for is_digit, run in groupby(text, key=str.isdigit):
         run_text = "".join(run)
-        if is_digit:
-            # unicodedata.digit maps e.g. "²" to 2; the official passes it to int() and crashes.
-            out.append(number_to_words("".join(str(unicodedata.digit(c)) for c in run_text)))
-        else:
+        if not is_digit:
             out.append(run_text)
+            continue
+        digits = "".join(str(unicodedata.digit(c)) for c in run_text)
+        try:
+            out.append(_inflect().number_to_words(digits))
+        except inflect.NumOutOfRangeError:
+            out.append(" ".join(_inflect().number_to_words(d) for d in digits))
     return "".join(out)
 
 
@@ -191,7 +194,7 @@ def _drop_blanks_between_non_ascii(text: str) -> str:
     return "".join(out)
 
 
-def _normalize_zh(text: str) -> str:
+def _chinese_rules(text: str) -> str:
     text = text.replace("\n", "")
     text = _drop_blanks_between_non_ascii(text)
     text = text.replace("²", "平方").replace("³", "立方")
@@ -201,17 +204,60 @@ def _normalize_zh(text: str) -> str:
     return re.sub(r"[，,、]+$", "。", text)
 
 
-def split_target_text(text: str, tokenizer, token_max_n: int = 80, token_min_n: int = 60, merge_len: int = 20) -> list[str]:
+def _check_normalizer(normalizer: str) -> None:
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"text normalizer must be one of {', '.join(NORMALIZERS)}, got {normalizer!r}")
+
+
+def normalize_text(text: str, normalizer: TextNormalizer) -> tuple[str, str]:
+    """(the whole target text as the official frontend normalises it before splitting, its
+    language: ``zh`` or ``en``). The language is decided on the raw text, as the official does."""
+    _check_normalizer(normalizer)
+    text = text.strip()
+    lang = "zh" if contains_chinese(text) else "en"
+    with _LOCK:
+        if normalizer == "wetext" and text:
+            try:
+                text = _wetext().normalize(text)
+            except Exception as e:
+                # wetext 0.1.8 fails an internal assertion on some texts ("Item #1 is ready.",
+                # "100+ people"), where the official frontend would fail the request; a bulk run
+                # reads such a text as without a normaliser instead, and says so.
+                log.warning("wetext cannot normalize %r (%s); read without a normalizer",
+                            text[:80], type(e).__name__)
+        if lang == "zh":
+            return _chinese_rules(text), lang
+        return spell_out_number(text), lang
+
+
+def split_target_text(text: str, tokenizer, *, normalizer: TextNormalizer, token_max_n: int = 80,
+                      token_min_n: int = 60, merge_len: int = 20) -> list[str]:
     """The target text as the official frontend hands it to the model: a list of pieces,
-    each synthesised as its own request. Empty or punctuation-only input gives ``[]``."""
+    each synthesised as its own request. Empty or punctuation-only input gives ``[]``.
+    ``normalizer`` has no default on purpose: a caller comparing with the fixtures needs
+    ``none``, a user run ``wetext``; neither should be picked by omission."""
     tokenize = tokenizer.encode if hasattr(tokenizer, "encode") else tokenizer
+    _check_normalizer(normalizer)
     if "<|" in text and "|>" in text:  # markup: the official skips normalisation and splitting
         return [text] if text.strip() else []
-    text = text.strip()
-    if not text:
+    if not text.strip():
         return []
-    if contains_chinese(text):
-        pieces = split_paragraph(_normalize_zh(text), tokenize, "zh", token_max_n, token_min_n, merge_len)
-    else:
-        pieces = split_paragraph(spell_out_number(text), tokenize, "en", token_max_n, token_min_n, merge_len)
+    norm, lang = normalize_text(text, normalizer)
+    pieces = split_paragraph(norm, tokenize, lang, token_max_n, token_min_n, merge_len)
     return [p for p in pieces if not is_only_punctuation(p)]
+
+
+def has_speech(text: str, normalizer: TextNormalizer) -> bool:
+    """Whether ``split_target_text`` leaves anything to synthesise, without a tokenizer and,
+    for nearly every row, without running the normaliser (~5 ms a sentence: minutes over a
+    large manifest). A text with a letter or a digit always keeps one: digits become words,
+    letters stay letters (or become words) under both settings, and a piece holding a letter
+    is not punctuation. Only texts without any (punctuation, symbols, emoji, blanks) are
+    normalised -- ``$`` reads ``dollar`` under wetext -- and split: a piece survives by its own
+    characters whatever the splitter packs it with, so the token counts do not matter."""
+    _check_normalizer(normalizer)
+    if "<|" in text and "|>" in text:
+        return bool(text.strip())
+    if any(unicodedata.category(c)[0] in "LN" for c in text):
+        return True
+    return bool(split_target_text(text, list, normalizer=normalizer))
