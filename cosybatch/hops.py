@@ -24,8 +24,9 @@ class HopSchedule:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Run the flow on tokens[:end]; keep mel frames from ``offset`` tokens on."""
+class Hop:
+    """One hop of a segment, as planned: run the flow on tokens[:end]; keep mel frames from
+    ``offset`` tokens on."""
 
     end: int
     offset: int
@@ -34,7 +35,7 @@ class Chunk:
 
 
 class SegmentPlanner:
-    """Chunk decisions for one segment, fed with the count of flow tokens produced so far."""
+    """Hop decisions for one segment, fed with the count of flow tokens produced so far."""
 
     def __init__(self, schedule: HopSchedule, prompt_tokens: int, lookahead: int = 3):
         self.schedule = schedule
@@ -54,7 +55,7 @@ class SegmentPlanner:
         """Flow tokens that must exist before the next non-final chunk can fire."""
         return self.offset + self._this_hop() + self.lookahead
 
-    def next_chunk(self, available: int, finished: bool) -> Chunk | None:
+    def next_chunk(self, available: int, finished: bool) -> Hop | None:
         """The next chunk to run, or None to wait for more tokens.
 
         ``finished`` says the LLM is done with this segment; then the remainder is emitted
@@ -64,18 +65,18 @@ class SegmentPlanner:
             return None
         hop = self._this_hop()
         if available - self.offset >= hop + self.lookahead:
-            chunk = Chunk(end=self.offset + hop + self.lookahead, offset=self.offset, finalize=False, index=self.index)
+            chunk = Hop(end=self.offset + hop + self.lookahead, offset=self.offset, finalize=False, index=self.index)
             self.offset += hop
             self.index += 1
             self.schedule.grow()
             return chunk
         if finished:
             self.done = True
-            return Chunk(end=available, offset=self.offset, finalize=True, index=self.index)
+            return Hop(end=available, offset=self.offset, finalize=True, index=self.index)
         return None
 
 
-def plan_segment(schedule: HopSchedule, prompt_tokens: int, total_tokens: int, lookahead: int = 3) -> list[Chunk]:
+def plan_segment(schedule: HopSchedule, prompt_tokens: int, total_tokens: int, lookahead: int = 3) -> list[Hop]:
     """All chunks of a segment whose tokens are already known (offline replay of the schedule)."""
     planner = SegmentPlanner(schedule, prompt_tokens, lookahead)
     chunks = []

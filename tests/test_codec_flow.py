@@ -9,7 +9,7 @@ import torch
 from conftest import ROWS, load_ref
 from cosybatch.codec.attention import SdpaBackend, _VarlenBase
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner
-from cosybatch.hops import Chunk, HopSchedule, plan_segment
+from cosybatch.hops import Hop, HopSchedule, plan_segment
 from cosybatch.codec.packing import RowSpec, SubSeqs, pack, subsequences, varlen_offsets
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full
@@ -48,7 +48,7 @@ def _fixture_jobs(reference_dir, row):
     stream = []
     for c in meta["stream_chunks"]:
         s = c["segment"]
-        chunk = Chunk(end=c["n_token_in"], offset=c["token_offset"], finalize=c["finalize"], index=c["chunk"])
+        chunk = Hop(end=c["n_token_in"], offset=c["token_offset"], finalize=c["finalize"], index=c["chunk"])
         job = FlowJob((row, s), ref[f"stream.seg{s}.speech_token"].long(), pr, chunk)
         stream.append((job, ref[f"stream.seg{s}.chunk{c['chunk']}.mel"]))
     full, s = [], 0

@@ -3,7 +3,7 @@
 import math
 
 from cosybatch.scheduler.costs import CostModel
-from cosybatch.scheduler.policy import (INF, Costs, Hop, Limits, Mel, Solve, iteration_budget, launch_prompts,
+from cosybatch.scheduler.policy import (INF, Costs, ReadyHop, Limits, Mel, Solve, iteration_budget, launch_prompts,
                                        pick_jobs, plan, worth_starting)
 
 COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
@@ -13,7 +13,7 @@ FULL = Limits(streaming=False, budget_ms=20.0, max_jobs=8, max_hift=8, solve_tok
 
 
 def hop(seg, order, first=False, deadline=INF, tokens=1000, ready_at=0.0):
-    return Hop(seg, order, first, deadline, tokens, ready_at)
+    return ReadyHop(seg, order, first, deadline, tokens, ready_at)
 
 
 def test_pick_jobs_orders_imminent_deadlines_first_hops_deadlines_arrival():

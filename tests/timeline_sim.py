@@ -33,7 +33,7 @@ class _Row:
     generated: int = 0
     first_audio: float | None = None
     audio_s: float = 0.0
-    hops: list = field(default_factory=list)  # (chunk, policy.Hop) ready, in order
+    hops: list = field(default_factory=list)  # (chunk, policy.ReadyHop) ready, in order
     underrun_s: float = 0.0
 
     @property
@@ -99,7 +99,7 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
         for r in rows.values():
             if r.hops and not (solve and any(x[0] is r for x in solve[1])):
                 c, o, first, tok, at = r.hops[0]
-                ready.append((r, c, policy.Hop(r.rid, o, first, r.deadline, tok, at)))
+                ready.append((r, c, policy.ReadyHop(r.rid, o, first, r.deadline, tok, at)))
         p_mels = [policy.Mel(r.rid, h.order, h.first, r.deadline, MEL_PER_TOKEN * (c.end - c.offset), t)
                   for r, c, h, t in mels]
         p_solve = solve[0] if solve else None

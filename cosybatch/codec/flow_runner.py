@@ -31,7 +31,7 @@ from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block
 from cosybatch.codec.flow_conditioning import JobInputs, static_inputs
 from cosybatch.codec.flow_graphs import Capture, FlowGraphs
 from cosybatch.codec.flow_step import FlowTables, StepBuffers, euler_step
-from cosybatch.hops import Chunk
+from cosybatch.hops import Hop
 from cosybatch.codec.packing import FlowLayout, RowSpec, pack
 from cosybatch.codec.prefix_cache import PrefixCache
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
@@ -47,7 +47,7 @@ class FlowJob:
     segment_id: Hashable  # one text segment of one row: the unit of streaming state
     tokens: torch.Tensor  # [N] long: the segment's flow tokens so far (read on the host)
     prompt: PromptFeatures  # speech_tokens read on the host; mel and embedding on any device
-    chunk: Chunk | None = None
+    chunk: Hop | None = None
 
 
 @dataclass

@@ -116,6 +116,7 @@ class DeviceFrontend:
         self._lock = threading.Lock()
         self.graph_rows = graph_rows if self.device.type == "cuda" else 0
         self.graphs = GraphCache(lambda *t: self._features(*t, True, True), capacity=graph_capacity,
+                                 max_counters=graph_capacity,
                                  capture_after=1, name="frontend") if self.graph_rows else None
 
     @classmethod

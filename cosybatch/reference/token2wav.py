@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosybatch.hops import Chunk
+from cosybatch.hops import Hop
 from cosybatch.prompt import PromptFeatures
 
 
-def flow_chunk(flow, tokens: torch.Tensor, prompt: PromptFeatures, chunk: Chunk, full_attention_final: bool = True) -> torch.Tensor:
+def flow_chunk(flow, tokens: torch.Tensor, prompt: PromptFeatures, chunk: Hop, full_attention_final: bool = True) -> torch.Tensor:
     """Mel frames [1, 80, F] that ``chunk`` adds; ``tokens`` is the segment's flow-token list [N]."""
     # The official final hop runs with streaming=False (full attention): design.md D4.
     streaming = not (chunk.finalize and full_attention_final)

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)  # identity: a hop is one piece of work, and its job holds tensors
-class Hop:
+class QueuedHop:
+    """A hop handed to the codec: its flow job, and what the policy needs to place it."""
+
     job: FlowJob
     row_id: str
     order: int
@@ -40,14 +42,14 @@ class Hop:
 
 @dataclass
 class _Mel:
-    hop: Hop
+    hop: QueuedHop
     mel: torch.Tensor  # [1, mel, F] on the device
     ready_at: float = 0.0  # host time its solve was queued
 
 
 @dataclass
 class _Audio:
-    hop: Hop
+    hop: QueuedHop
     host: torch.Tensor  # pinned on CUDA
     ready: object  # a CUDA event, or None when already on the host
 
@@ -64,7 +66,7 @@ class Outcome:
 @dataclass
 class _Active:
     solve: FlowSolve
-    hops: list[Hop]
+    hops: list[QueuedHop]
     tokens: int
 
 
@@ -80,7 +82,7 @@ class CodecWork:
     mels: list[_Mel] = field(default_factory=list)
     outbox: deque = field(default_factory=deque)
     active: _Active | None = None
-    failed: list[tuple[Hop, Exception]] = field(default_factory=list)
+    failed: list[tuple[QueuedHop, Exception]] = field(default_factory=list)
     _retry_flow: deque = field(default_factory=deque)  # halves of failed solves, run before anything new
     _retry_hift: deque = field(default_factory=deque)
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
@@ -90,7 +92,7 @@ class CodecWork:
 
     # ------------------------------------------------------------------ queues
 
-    def add(self, hop: Hop) -> None:
+    def add(self, hop: QueuedHop) -> None:
         self.hops.setdefault(hop.job.segment_id, deque()).append(hop)
 
     def has_work(self) -> bool:
@@ -130,7 +132,7 @@ class CodecWork:
             solve = policy.Solve(active.tokens, active.solve.steps_left, min(deadline(h.row_id) for h in active.hops))
         retrying = {id(h) for g in self._retry_flow for h in g}
         ready = [q[0] for q in self.hops.values() if q and not self._in_active(q[0]) and id(q[0]) not in retrying]
-        p_hops = [policy.Hop(h.job.segment_id, h.order, h.first, deadline(h.row_id), h.tokens, h.ready_at) for h in ready]
+        p_hops = [policy.ReadyHop(h.job.segment_id, h.order, h.first, deadline(h.row_id), h.tokens, h.ready_at) for h in ready]
         p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2],
                              m.ready_at) for m in self.mels]
         plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels, ar_rows, ar_deadline)
@@ -149,10 +151,10 @@ class CodecWork:
             did = True
         return did
 
-    def _in_active(self, hop: Hop) -> bool:
+    def _in_active(self, hop: QueuedHop) -> bool:
         return self.active is not None and any(h is hop for h in self.active.hops)
 
-    def _start(self, hops: list[Hop], steps: int, now: float) -> None:
+    def _start(self, hops: list[QueuedHop], steps: int, now: float) -> None:
         t = self.acct.start("flow_start")
         try:
             solve = self.flow.start([h.job for h in hops])
@@ -228,7 +230,7 @@ class CodecWork:
         for m, w in zip(batch, wavs):
             self._to_host(m.hop, w[0])
 
-    def _to_host(self, hop: Hop, wav: torch.Tensor) -> None:
+    def _to_host(self, hop: QueuedHop, wav: torch.Tensor) -> None:
         if self.device.type != "cuda":
             self.outbox.append(_Audio(hop, wav.float(), None))
             return
@@ -276,7 +278,7 @@ class CodecWork:
         if isinstance(e, torch.OutOfMemoryError):
             self.limits = replace(self.limits, **{"max_hift" if hift else "max_jobs": max(1, half)})
 
-    def _fail(self, hop: Hop, e: Exception) -> None:
+    def _fail(self, hop: QueuedHop, e: Exception) -> None:
         q = self.hops.get(hop.job.segment_id)
         if q and q[0] is hop:
             q.popleft()

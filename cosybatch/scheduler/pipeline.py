@@ -29,7 +29,7 @@ import torch
 from cosybatch.codec.flops import solve_flops
 from cosybatch.codec.flow_runner import FlowJob, FlowRunner
 from cosybatch.codec.hift_runner import HiftRunner
-from cosybatch.hops import Chunk, HopSchedule, SegmentPlanner
+from cosybatch.hops import Hop, HopSchedule, SegmentPlanner
 from cosybatch.engine.llm_engine import LLMEngine
 from cosybatch.engine.request import RequestFailed, SamplingParams
 from cosybatch.gpu.hostcopy import h2d
@@ -41,7 +41,7 @@ from cosybatch.scheduler import policy
 from cosybatch.scheduler.accounting import Accounting
 from cosybatch.scheduler.budget import gpu_budget
 from cosybatch.scheduler.gpu_util import KernelActiveSampler
-from cosybatch.scheduler.codec_work import CodecWork, Hop
+from cosybatch.scheduler.codec_work import CodecWork, QueuedHop
 from cosybatch.scheduler.costs import CostModel
 from cosybatch.scheduler.prompt_work import PromptWork
 
@@ -398,15 +398,15 @@ class FastPipeline:
         elif row.llm_done:
             self._hop(row, None, list(row.tokens))
 
-    def _hop(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> None:
+    def _hop(self, row: _Row, chunk: Hop | None, tokens: list[int]) -> None:
         rid = row.req.request_id
         job = FlowJob(_segment_id(rid, row.seg), torch.tensor(tokens, dtype=torch.long), row.prompt, chunk)
         self._order += 1
         first = row.first_audio is None and row.seg == 0 and (chunk is None or chunk.index == 0)
-        self.codec.add(Hop(job, rid, self._order, first, chunk is None or chunk.finalize, self._tokens(row, chunk, tokens),
+        self.codec.add(QueuedHop(job, rid, self._order, first, chunk is None or chunk.finalize, self._tokens(row, chunk, tokens),
                            time.perf_counter()))
 
-    def _tokens(self, row: _Row, chunk: Chunk | None, tokens: list[int]) -> int:
+    def _tokens(self, row: _Row, chunk: Hop | None, tokens: list[int]) -> int:
         """Transformer tokens the hop adds to a solve (both CFG rows): the whole row unless the
         prefix cache holds its complete chunks."""
         frames = self._token_frames * (row.prompt.speech_tokens.shape[0] + len(tokens))

@@ -44,8 +44,9 @@ INF = math.inf
 
 
 @dataclass(frozen=True)
-class Hop:
-    """A flow job that can run now (its segment's previous hop is done)."""
+class ReadyHop:
+    """A hop as the policy sees it (no tensors): a flow job that can run now (its segment's
+    previous hop is done)."""
 
     segment_id: str
     order: int  # arrival order, the FIFO tie-break
@@ -169,8 +170,8 @@ def _deadline_batching(lim: Limits) -> bool:
     return lim.streaming and lim.deadline_lead_s is not None
 
 
-def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: float = 0.0,
-              large: bool = True) -> list[Hop]:
+def pick_jobs(hops: list[ReadyHop], lim: Limits, costs: Costs, ar_active: bool, now: float = 0.0,
+              large: bool = True) -> list[ReadyHop]:
     """The hops of the next solve: at most one per segment (a segment's hops depend on each
     other), in priority order, at most ``max_jobs``, and with the AR engine busy at most 1.5x
     the target solve size, so one Euler step stays near the budget (always at least one hop)."""
@@ -190,7 +191,7 @@ def pick_jobs(hops: list[Hop], lim: Limits, costs: Costs, ar_active: bool, now: 
     return out
 
 
-def patient(h: Hop, lim: Limits, now: float) -> bool:
+def patient(h: ReadyHop, lim: Limits, now: float) -> bool:
     """Whether the hop's waiting alone does not start a solve: streaming with deadline batching
     on, not a first hop (a listener waits for it), and a player with more than
     ``deadline_lead_s`` of audio left (a row without a player yet, deadline inf, is not: how
@@ -199,7 +200,7 @@ def patient(h: Hop, lim: Limits, now: float) -> bool:
             and h.deadline - now > lim.deadline_lead_s)
 
 
-def must_start(h: Hop, lim: Limits, now: float) -> bool:
+def must_start(h: ReadyHop, lim: Limits, now: float) -> bool:
     """Whether this hop alone starts a solve now, whatever its size: its deadline is imminent,
     or it has waited its bound (a first hop ``first_wait_s``, a patient one until its deadline
     is ``deadline_lead_s`` away, any other ``max_wait_s``)."""
@@ -219,7 +220,7 @@ def large_solves(now: float, lim: Limits, ar_deadline: float) -> bool:
     return _deadline_batching(lim) and ar_deadline - now > lim.deadline_lead_s
 
 
-def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops: list[Hop],
+def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops: list[ReadyHop],
                    large: bool = True) -> bool:
     """Whether the ready hops should start a solve now rather than wait for more."""
     if not hops:
@@ -235,7 +236,7 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
 
 
 def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,
-         hops: list[Hop], mels: list[Mel], ar_rows: int = 0, ar_deadline: float = INF) -> SlicePlan:
+         hops: list[ReadyHop], mels: list[Mel], ar_rows: int = 0, ar_deadline: float = INF) -> SlicePlan:
     """The codec slices of one iteration, in the order to queue them (``ar_rows``: rows the
     AR step in flight serves, for ``iteration_budget``; ``ar_deadline``: see ``large_solves``)."""
     budget = iteration_budget(lim, ar_rows) if ar_active else INF
