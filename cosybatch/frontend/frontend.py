@@ -75,15 +75,15 @@ def _choose_backend(model_dir: Path, cfg: ModelConfig, backend: str, device, dty
     """-> (implementation, one-line reason, whether that choice is the expected one).
     An explicit "torch" raises instead of falling back."""
     from cosybatch.checkpoint.onnx_weights import FrontendModelError, load_campplus, load_s3tokenizer
-    from cosybatch.frontend.torch_backend import DeviceFrontend
-    from cosybatch.frontend.ort_backend import OrtFrontend
+    from cosybatch.frontend.torch_backend import TorchBackend
+    from cosybatch.frontend.ort_backend import OrtBackend
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown frontend backend {backend!r}; choose one of {BACKENDS}")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def ort(reason: str, expected: bool = False):
-        return OrtFrontend(model_dir, cfg.mel, onnx_cuda, onnx_threads), reason, expected
+        return OrtBackend(model_dir, cfg.mel, onnx_cuda, onnx_threads), reason, expected
 
     if backend == "onnxruntime":
         return ort("requested", True)
@@ -100,7 +100,7 @@ def _choose_backend(model_dir: Path, cfg: ModelConfig, backend: str, device, dty
         if backend == "torch":
             raise RuntimeError("frontend backend 'torch' on cuda: CUDA is not available")
         return ort("CUDA is not available")
-    impl = DeviceFrontend(tok, cam, cfg.mel, dev, dtype=dtype, **batch_kw)
+    impl = TorchBackend(tok, cam, cfg.mel, dev, dtype=dtype, **batch_kw)
     return impl, "the ONNX files have the S3TokenizerV3 / CAM++ structure", True
 
 
@@ -152,7 +152,7 @@ class Frontend:
                     "split_tf32": split_tf32, "row_bucket": row_bucket}
         self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
                                                        onnx_threads, batch_kw)
-        self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtFrontend" else "torch"
+        self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtBackend" else "torch"
         self.backend_reason = reason
         log.log(logging.INFO if expected else logging.WARNING, "frontend: %s (%s)", self._impl.describe(), reason)
         self.tokenizer_mels = self._impl.n_mels

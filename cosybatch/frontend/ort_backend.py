@@ -40,7 +40,7 @@ def _static_dim(session, axis: int, default: int) -> int:
     return dim if isinstance(dim, int) and dim > 0 else default
 
 
-class OrtFrontend:
+class OrtBackend:
     def __init__(self, model_dir: str | Path, mel_cfg: MelConfig, use_cuda: bool = False, threads: int = 1):
         d = Path(model_dir)
         self.mel_cfg = mel_cfg
@@ -78,4 +78,4 @@ class OrtFrontend:
         ]
 
 
-__all__ = ["OrtFrontend", "ort_session", "ONNX_SAMPLE_RATE"]
+__all__ = ["OrtBackend", "ort_session", "ONNX_SAMPLE_RATE"]

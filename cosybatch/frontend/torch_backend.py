@@ -85,7 +85,7 @@ class PendingRaw:
         return out  # type: ignore[return-value]
 
 
-class DeviceFrontend:
+class TorchBackend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
                  bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128, split_tf32: bool = False,
@@ -120,7 +120,7 @@ class DeviceFrontend:
                                  capture_after=1, name="frontend") if self.graph_rows else None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, mel_cfg: MelConfig, device, **kw) -> "DeviceFrontend":
+    def from_dir(cls, model_dir: str | Path, mel_cfg: MelConfig, device, **kw) -> "TorchBackend":
         """Load both ONNX files into the PyTorch models (raises FrontendModelError)."""
         from cosybatch.checkpoint.onnx_weights import load_campplus, load_s3tokenizer
 
@@ -318,4 +318,4 @@ class DeviceFrontend:
             torch.cuda.synchronize(self.device)
 
 
-__all__ = ["DeviceFrontend", "PendingRaw", "RawFeatures"]
+__all__ = ["TorchBackend", "PendingRaw", "RawFeatures"]
