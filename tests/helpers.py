@@ -117,3 +117,18 @@ class FakeBackend:
 
     def release(self, captured):
         self.released += 1
+
+
+def signal_when_ready(proc, ready, sig, timeout: float):
+    """Wait for ``ready()`` (it raises if the process gave up), send ``sig``, then collect the
+    process's stderr; a process still running past ``timeout`` (or after a failed wait) is
+    killed, so no test leaves one behind."""
+    try:
+        ready()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return err

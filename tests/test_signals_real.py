@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import signal_when_ready
+
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 16
 pytestmark = pytest.mark.slow
@@ -69,15 +71,7 @@ def test_signal_mid_run_exits_cleanly_and_the_rerun_redoes_only_the_rest(tmp_pat
     man, out = _manifest(tmp_path, fixtures_dir), tmp_path / "out"
     proc = subprocess.Popen(_cmd(man, out, model_dir), cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        _wait_for_first_row(out, proc)
-        proc.send_signal(sig)
-        _, err_b = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = err_b.decode(errors="replace")
+    err = signal_when_ready(proc, lambda: _wait_for_first_row(out, proc), sig, 90).decode(errors="replace")
     assert proc.returncode == code, err[-3000:]
     for bad in ("terminate called", "Traceback", "Aborted", "core dumped"):
         assert bad not in err, err[-3000:]

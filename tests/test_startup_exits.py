@@ -17,6 +17,7 @@ import fake_synth
 from cosybatch.cli import cli
 from cosybatch.profiles.schema import LEAVES
 from fake_synth import make_manifest
+from helpers import signal_when_ready
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILED = ["--synthesizer", "fake_synth:build_profiled"]
@@ -47,14 +48,7 @@ def test_a_signal_while_the_synthesizer_is_built_exits_cleanly(tmp_path, sig, co
     out, ready = tmp_path / "out", tmp_path / "building"
     proc = _spawn("synth", str(man), "--out", str(out), "--synthesizer", "fake_synth:build",
                   "--set", f"setup_ready={ready}", "--set", "setup_sleep=60")
-    try:
-        _wait_for(ready, proc)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    err = signal_when_ready(proc, lambda: _wait_for(ready, proc), sig, 30)
     assert proc.returncode == code, err
     assert word in err and "Traceback" not in err
     assert "cannot set up" not in err and "initialization failed" not in err
@@ -130,13 +124,6 @@ def test_ctrl_c_while_the_workers_build_their_synthesizers_exits_130(tmp_path):
     out, ready = tmp_path / "out", tmp_path / "building"
     proc = _spawn("synth", str(man), "--out", str(out), "--synthesizer", "fake_synth:build", "--device", "cpu",
                   "--workers", "2", "--set", f"setup_ready={ready}", "--set", "setup_sleep=60")
-    try:
-        _wait_for(ready, proc)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    err = signal_when_ready(proc, lambda: _wait_for(ready, proc), signal.SIGINT, 60)
     assert proc.returncode == 130, err
     assert "cannot set up" not in err and "initialization failed" not in err and "Traceback" not in err
