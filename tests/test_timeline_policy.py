@@ -3,8 +3,8 @@
 import math
 
 from cosybatch.scheduler.costs import CostModel
-from cosybatch.scheduler.policy import (INF, Costs, ReadyHop, Limits, Mel, Solve, iteration_budget, launch_prompts,
-                                       pick_jobs, plan, worth_starting)
+from cosybatch.scheduler.policy import (INF, Costs, ReadyHop, Limits, Mel, Solve, codec_turn, iteration_budget,
+                                       launch_prompts, pick_jobs, plan, worth_starting)
 
 COSTS = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=0.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
 # solve_tokens=0: every ready hop is worth a solve at once (the waiting rule has its own test)
@@ -329,3 +329,12 @@ def test_deadline_batching_leaves_the_small_solve_regime_and_keeps_deadlines():
     # first hops stay prompt: no first hop waited longer than the longest one today
     assert max(new.first_wait_s) <= max(today.first_wait_s)
     assert new.wall_s < today.wall_s  # larger solves pay fewer fixed costs
+
+
+def test_with_the_ar_step_beside_the_codec_is_fed_without_holding_the_ar_step_back():
+    # below the queue's depth: codec work is queued every iteration
+    assert codec_turn(0, ar_in_flight=True, most=2) and codec_turn(1, ar_in_flight=True, most=2)
+    # full: the AR step goes on alone (its tokens are not held behind a codec slice)...
+    assert not codec_turn(2, ar_in_flight=True, most=2)
+    # ...unless no AR step is in flight: then the codec is the only work and the host waits for it
+    assert codec_turn(2, ar_in_flight=False, most=2)

@@ -47,6 +47,10 @@ from cosybatch.scheduler.prompt_work import PromptWork
 
 log = logging.getLogger(__name__)
 
+# Codec iterations the host may queue ahead of the GPU: enough that the codec's stream never
+# drains while the host plans the next one, few enough that a plan made now is still fresh.
+QUEUED_ITERATIONS = 2
+
 
 @dataclass
 class _Row:
@@ -235,11 +239,13 @@ class FastPipeline:
         # An AR step is queued (launched now, or run ahead by the last collect): the codec's
         # slices then share the iteration with it and keep to the budget.
         ar = self.engine.in_flight
-        progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows,
-                                     self._ar_deadline())
-        self._bound_queue()
+        if self._codec_turn():
+            progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows,
+                                         self._ar_deadline())
+            self._bound_queue()
         if self.engine.in_flight:
-            self._collect_ar()
+            self._collect_ar()  # waits for the AR step: the loop never spins, so no idle wait after it
+            progressed = True
         progressed |= self._take_audio(wait=False)
         self.acct.poll()
         self.acct.iteration((time.perf_counter() - t0) * 1e3)
@@ -249,16 +255,30 @@ class FastPipeline:
         return events
 
     def _bound_queue(self) -> None:
-        """The host runs at most two iterations ahead of the GPU. With an AR step in flight the
-        tokens' sync already bounds it; without one (rows wait for the codec) nothing would."""
+        """The host runs at most ``QUEUED_ITERATIONS`` iterations' codec work ahead of the GPU.
+        Serial, with an AR step in flight, the tokens' sync already bounds it; without one (rows
+        wait for the codec) nothing would."""
         if self.device.type != "cuda":
             return
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record()  # on the codec's stream (the current one)
         self._marks.append(ev)
-        while len(self._marks) > 2:
+        while len(self._marks) > QUEUED_ITERATIONS:
             with self.acct.waiting():
                 self._marks.popleft().synchronize()
+
+    def _codec_turn(self) -> bool:
+        """Whether this iteration queues codec slices. Serial: always (the AR step and the codec
+        share one stream, and the budget keeps the AR cadence). Beside: only while the codec's
+        stream has fewer than ``QUEUED_ITERATIONS`` iterations' work queued, so the AR steps go
+        at their own pace instead of one per codec slice: tied to the codec, an AR step waited
+        for a whole flow step each iteration (deadline batching makes them 5-8 ms), and a row's
+        first 28 tokens for 28 of them. With no AR step in flight, the host waits for the codec."""
+        if self._ar_stream is None:
+            return True
+        while self._marks and self._marks[0].query():
+            self._marks.popleft()
+        return policy.codec_turn(len(self._marks), self.engine.in_flight, QUEUED_ITERATIONS)
 
     def warm_prompts(self, wav_paths) -> int:
         """Compute and cache the features of these prompts now, in batches, so that requests

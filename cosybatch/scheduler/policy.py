@@ -279,6 +279,14 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
     return SlicePlan(hift, steps, start, start_steps)
 
 
+def codec_turn(queued: int, ar_in_flight: bool, most: int) -> bool:
+    """With the AR step on its own stream: whether the host queues codec slices this iteration,
+    given ``queued`` iterations' codec work not yet finished on the GPU. Below ``most``, yes; at
+    ``most``, only when no AR step is in flight (then nothing else is left to do and the caller
+    waits for the oldest to finish); otherwise the AR step goes on and the codec is fed later."""
+    return queued < most or not ar_in_flight
+
+
 def _fit(room: float, step: float, most: int) -> int:
     """Steps of ``step`` ms that fit in ``room`` ms, at most ``most``."""
     if room == INF:
