@@ -8,7 +8,8 @@
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
 #        machine would otherwise compile inside its measured window), synthset=KEY=VALUE,
-#        (SYNTH_ARGS: more arguments for every synth run, e.g. "--set codec.frontend_workers=2")
+#        (SYNTH_ARGS: more arguments for every synth run, e.g. "--set codec.frontend_workers=2";
+#        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
@@ -45,7 +46,7 @@ prof() {  # tag profile concurrency prompts warmups [extra...]
   nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/util-$tag.csv" 2>/dev/null &
   local smi=$!
   timeout 300 $CB profile $WL/meta.lst --model $CKPT --device cuda --profile $p --concurrency $c \
-    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" > "$OUT/profile-$tag.txt" 2>&1
+    --num-prompts $n --num-warmups $w --force-length --result-dir "$OUT" "$@" ${PROFILE_ARGS:-} > "$OUT/profile-$tag.txt" 2>&1
   echo "rc=$?" >> "$OUT/profile-$tag.txt"; kill $smi 2>/dev/null
   python3 - "$OUT/util-$tag.csv" <<'PY' | tee -a "$OUT/profile-$tag.txt"
 import sys
@@ -93,6 +94,9 @@ for step in "$@"; do
       COSYBATCH_FRONTEND_DIR=$CKPT timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_frontend_gpu.py \
         > "$OUT/frontend_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/frontend_tests.txt"
       grep -E "passed|failed|error|frontend-gpu" "$OUT/frontend_tests.txt" | cut -c1-400 | tail -14 ;;
+    pipetest=*) log "pytest -m gpu tests/test_pipeline_gpu.py -k ${step#pipetest=}"
+      COSYBATCH_FIXTURES=$PWD/.fixtures timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_pipeline_gpu.py \
+        -k "${step#pipetest=}" > "$OUT/pipeline_test.txt" 2>&1; echo "rc=$?" >> "$OUT/pipeline_test.txt"; tail -30 "$OUT/pipeline_test.txt" ;;
     pipetests) log "pytest -m gpu tests/test_pipeline_gpu.py (needs .fixtures)"
       COSYBATCH_PARITY_LOG=$OUT/parity.jsonl timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_pipeline_gpu.py \
         > "$OUT/pipeline_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/pipeline_tests.txt"; grep -E "passed|failed|Error|dB" "$OUT/pipeline_tests.txt" | tail -30 ;;
