@@ -27,8 +27,12 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])
+    stages = pipe.timeline()["row_stages_ms"]
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())
+    # every row's life is accounted, stage by stage (times run forward)
+    assert set(stages) == {"prompt", "first_tokens", "first_audio", "after_tokens", "decoding"}, stages
+    assert all(v["p50"] >= 0 and v["mean"] >= 0 for v in stages.values()), stages
     _, want = official(reference_dir, stream)
     for row in ROWS:
         assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row

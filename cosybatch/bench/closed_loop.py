@@ -253,6 +253,8 @@ def result_table(result: BenchResult, title: str):
     if "ar_step_ms" in tl:
         a = tl["ar_step_ms"]
         rows.append(("AR decode step in the pipeline p50 / p90 (ms)", f"{a['p50']:.2f} / {a['p90']:.2f}"))
+    for k, v in (tl.get("row_stages_ms") or {}).items():
+        rows.append((f"row stage p50 / mean (ms): {k.replace('_', ' ')}", f"{v['p50']:.1f} / {v['mean']:.1f}"))
     if tl.get("gpu_idle_share") is not None:
         rows.append(("GPU idle share of wall (outside slices)", f"{tl['gpu_idle_share']:.0%}"))
     kernel = tl.get("gpu_kernel") or {}

@@ -24,6 +24,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from cosybatch.codec.flops import solve_flops
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 # Codec iterations the host may queue ahead of the GPU: enough that the codec's stream never
 # drains while the host plans the next one, few enough that a plan made now is still fresh.
 QUEUED_ITERATIONS = 2
+LIVES_KEPT = 20_000
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Row:
     planner: SegmentPlanner | None = None
     first_audio: float | None = None  # host time its first non-empty chunk came back
     audio_s: float = 0.0  # seconds of audio returned so far
+    life: dict[str, float] = field(default_factory=dict)  # host times of its life (ROW_STAGES)
 
     @property
     def deadline(self) -> float:
@@ -120,6 +123,9 @@ class FastPipeline:
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
         self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch)
         self._rows: dict[str, _Row] = {}
+        self._added: dict[str, float] = {}  # host time each request was added, until admitted
+        # finished rows' lives since the window began (the latest ones: bounded for long runs)
+        self._lives: deque = deque(maxlen=LIVES_KEPT)
         self._events: list[Event] = []
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
@@ -157,6 +163,7 @@ class FastPipeline:
             self._events.append(Event(req.request_id, "error", error=f"stream={req.stream} asked of a pipeline "
                                       f"built for mode={mode} (set the profile's mode)"))
             return
+        self._added[req.request_id] = time.perf_counter()
         self.prompts.add(req)
 
     def has_work(self) -> bool:
@@ -202,12 +209,14 @@ class FastPipeline:
         out["flow_tflops"] = float(f"{work / flow_ms / 1e9:.4g}") if flow_ms else None
         util = self.util.summary()
         out["gpu_kernel"] = util
+        out["row_stages_ms"] = row_stages(self._lives)
         out["gpu_budget"] = gpu_budget({k: v["total"] for k, v in out.get("slice_ms", {}).items()}, out["wall_s"],
                                        d["audio_samples"] / self.sample_rate, util["kernel_active_share"])
         if reset:
             self.util.reset()
             self.acct.reset()
             self._counter_base = now
+            self._lives.clear()
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
         return out
 
@@ -307,6 +316,7 @@ class FastPipeline:
             first, mx, scale = self.hops
             row = _Row(req, prompt, text.prompt_text_ids, list(text.segments), HopSchedule(first, mx, scale),
                        texts=tuple(text.segment_texts))
+            row.life = {"added": self._added.pop(rid, time.perf_counter()), "admitted": time.perf_counter()}
             self._rows[rid] = row
             self._start_segment(row)
         return progressed
@@ -396,6 +406,8 @@ class FastPipeline:
             row.tokens.extend(out.new_tokens)
             row.generated += len(out.new_raw_tokens)
             row.llm_done = row.llm_done or out.finished
+            if out.finished and row.seg == len(row.segments) - 1:
+                row.life["last_token"] = time.perf_counter()
             self._plan_hops(row)
 
     def _fail_request(self, e: RequestFailed) -> None:
@@ -423,6 +435,8 @@ class FastPipeline:
         job = FlowJob(_segment_id(rid, row.seg), torch.tensor(tokens, dtype=torch.long), row.prompt, chunk)
         self._order += 1
         first = row.first_audio is None and row.seg == 0 and (chunk is None or chunk.index == 0)
+        if first:
+            row.life.setdefault("first_hop", time.perf_counter())
         self.codec.add(QueuedHop(job, rid, self._order, first, chunk is None or chunk.finalize, self._tokens(row, chunk, tokens),
                            time.perf_counter()))
 
@@ -455,7 +469,8 @@ class FastPipeline:
             self._events.append(Event(o.row_id, "chunk", audio=o.audio))
             if len(o.audio):
                 self._audio_samples += len(o.audio)
-                row.first_audio = row.first_audio or time.perf_counter()
+                if row.first_audio is None:
+                    row.first_audio = row.life["first_audio"] = time.perf_counter()
                 row.audio_s += len(o.audio) / self.sample_rate
             if o.finalize:
                 self.codec.release(o.segment_id)
@@ -464,6 +479,8 @@ class FastPipeline:
                     self._start_segment(row)
                 else:
                     del self._rows[o.row_id]
+                    row.life["done"] = time.perf_counter()
+                    self._lives.append(row.life)
                     self._events.append(Event(o.row_id, "done", tokens=row.generated, segments=row.texts))
         return bool(outcomes)
 
@@ -480,6 +497,7 @@ class FastPipeline:
         self._error(rid, e)
 
     def _error(self, request_id: str, e: Exception) -> None:
+        self._added.pop(request_id, None)
         self._events.append(Event(request_id, "error", error=f"{type(e).__name__}: {e}"))
 
     def _idle(self) -> None:
@@ -493,6 +511,25 @@ class FastPipeline:
                 self._take_audio(wait=True)
             return
         self.prompts.idle()
+
+
+# A finished row's life in stages, each between two of its host times: what first PCM (the first
+# three) and the end-to-end time (all but the last, which overlaps them) are made of.
+ROW_STAGES = (("prompt", "added", "admitted"),  # queued for the frontend, prompt features
+              ("first_tokens", "admitted", "first_hop"),  # prefill and the first hop's decode steps
+              ("first_audio", "first_hop", "first_audio"),  # the first hop's flow solve and HiFT
+              ("after_tokens", "last_token", "done"),  # the final hops after the last token
+              ("decoding", "admitted", "last_token"))
+
+
+def row_stages(rows) -> dict[str, dict[str, float]]:
+    """p50 and mean milliseconds of each ``ROW_STAGES`` stage over finished rows' lives."""
+    out = {}
+    for name, a, b in ROW_STAGES:
+        v = np.array([m[b] - m[a] for m in rows if a in m and b in m]) * 1e3
+        if v.size:
+            out[name] = {"p50": round(float(np.median(v)), 1), "mean": round(float(v.mean()), 1)}
+    return out
 
 
 def _segment_id(request_id: str, seg: int) -> str:
