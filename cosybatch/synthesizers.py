@@ -8,7 +8,6 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +21,8 @@ class RowResult:
     audio: np.ndarray  # float32 mono at sample_rate
     sample_rate: int
     tokens: int  # speech tokens behind the audio
-    # total_s, first_chunk_s, queue_s (the part of total_s spent waiting for a slot) and, from
+    # total_s, first_chunk_s, queue_s (the part of total_s before its first speech tokens: the
+    # wait for the frontend and an AR slot, and the prefill) and, from
     # the sequential reference engine, frontend_s, llm_s, flow_s, hift_s: what is known
     timings: dict[str, float]
     chunks: int
@@ -199,10 +199,8 @@ class FastSynthesizer:
         rate = float(self.pipeline.token_frame_rate)
         reqs = (SynthRequest(row.utt_id, row, stream, force_tokens(row.target_text, rate) if self.force_length else None)
                 for row in rows)
-        started = _ArStarts(self.pipeline)
-        for f in drive(self.pipeline, reqs, self.window, on_step=started.note):
+        for f in drive(self.pipeline, reqs, self.window):
             row = f.request.row
-            began = started.pop(f.request.request_id)
             if f.error is not None:
                 yield row, RuntimeError(f.error)
                 continue
@@ -210,37 +208,9 @@ class FastSynthesizer:
             audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
             first = next((t - f.admitted for t, a in f.chunks if len(a)), float("nan"))
             timings = {"first_chunk_s": first, "total_s": f.finished - f.admitted}
-            if began is not None:
-                timings["queue_s"] = max(0.0, began - f.admitted)
+            if f.queue_s is not None:
+                timings["queue_s"] = f.queue_s
             yield row, RowResult(audio, self.sample_rate, f.tokens, timings, len(pieces), f.segments)
-
-
-class _ArStarts:
-    """When each row's first segment entered the AR engine's running set (``drive``'s clock).
-
-    The driver admits twice the engine's capacity, so a row may wait for a free AR slot (and
-    its prompt features) long after its admission; the time before it is running is its queue
-    time, the rest its synthesis. Read after each step from the engine's running list (its
-    size is the AR batch: a few dozen entries); an engine without one reports no queue time.
-    """
-
-    def __init__(self, pipeline):
-        self._sched = getattr(getattr(pipeline, "engine", None), "scheduler", None)
-        self._started: dict[str, float] = {}
-
-    def note(self) -> None:
-        running = getattr(self._sched, "running", None)
-        if not running:
-            return
-        now = time.perf_counter()  # drive's default clock
-        for seq in running:
-            rid = getattr(seq, "request_id", None)
-            # a row's first segment ("<row>#0"): the later ones are not waiting for a slot
-            if isinstance(rid, str) and rid.endswith("#0") and rid not in self._started:
-                self._started[rid] = now
-
-    def pop(self, request_id: str) -> float | None:
-        return self._started.pop(f"{request_id}#0", None)
 
 
 def build_synthesizer(model: str, device: str = "auto", profile: str | None = None,

@@ -406,6 +406,7 @@ class FastPipeline:
             row.tokens.extend(out.new_tokens)
             row.generated += len(out.new_raw_tokens)
             row.llm_done = row.llm_done or out.finished
+            row.life.setdefault("first_token", time.perf_counter())
             if out.finished and row.seg == len(row.segments) - 1:
                 row.life["last_token"] = time.perf_counter()
             self._plan_hops(row)
@@ -481,7 +482,10 @@ class FastPipeline:
                     del self._rows[o.row_id]
                     row.life["done"] = time.perf_counter()
                     self._lives.append(row.life)
-                    self._events.append(Event(o.row_id, "done", tokens=row.generated, segments=row.texts))
+                    life = row.life
+                    queue = life["first_token"] - life["added"] if "first_token" in life else None
+                    self._events.append(Event(o.row_id, "done", tokens=row.generated, segments=row.texts,
+                                              queue_s=queue))
         return bool(outcomes)
 
     def _fail(self, row: _Row, e: Exception) -> None:

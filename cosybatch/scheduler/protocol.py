@@ -49,6 +49,9 @@ class Event:
     error: str | None = None  # for "error"
     tokens: int | None = None  # for "done": speech tokens the LM generated for the row (raw ids)
     segments: tuple[str, ...] | None = None  # for "done": the normalized text pieces, in synthesis order
+    # for "done": seconds from add_request until the AR engine's first tokens for the row (its
+    # wait for the frontend and for an AR slot, and its prefill); None where not measured
+    queue_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("chunk", "done", "error"):
@@ -93,6 +96,7 @@ class Finished:
     error: str | None = None
     tokens: int | None = None  # the done event's speech-token count
     segments: list[str] | None = None  # the done event's text pieces
+    queue_s: float | None = None  # the done event's queue time
 
 
 def drive(pipeline: StreamingPipeline, requests: Iterable[SynthRequest], concurrency: int,
@@ -132,4 +136,5 @@ def drive(pipeline: StreamingPipeline, requests: Iterable[SynthRequest], concurr
                 f.error = ev.error or "error"
             f.tokens = ev.tokens
             f.segments = None if ev.segments is None else list(ev.segments)
+            f.queue_s = ev.queue_s
             yield f
