@@ -55,6 +55,21 @@ def pytest_configure(config):
         torch.set_num_threads(n)
 
 
+# Fixtures that mean "compared with the official outputs" or "runs the fixture's models": a test
+# using one is a parity test and must carry the ``numeric`` mark, so that `make test-portable`
+# (``-m numeric``) runs it on the second kernel set. Kernel tests without them are marked by hand.
+_PARITY_FIXTURES = {"reference_dir", "parts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items
+                if _PARITY_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("numeric") is None and item.get_closest_marker("gpu") is None]
+    if unmarked:
+        raise pytest.UsageError("parity tests without the numeric mark (make test-portable would leave them out):\n  "
+                                + "\n  ".join(unmarked))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread (``COSYBATCH_TEST_THREADS`` if set): much faster on a busy 2-core box.
