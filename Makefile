@@ -9,6 +9,10 @@ DEMO_OUT ?= demo_out
 
 .PHONY: venv test-venv test test-portable test-gpu demo clean
 
+# pip's byte-compiling of every installed module (torch's thousands) is most of an install's time
+# on 2 cores; Python compiles what it imports on first use anyway.
+PIP_NO_COMPILE := --no-compile
+
 # Two stages: `venv` has what running cosybatch needs (all `make demo` installs); `test-venv`
 # adds the test extras (pytest, hypothesis and Ray, by far the largest download).
 venv: $(VENV)/.installed
@@ -16,14 +20,14 @@ test-venv: $(VENV)/.test-installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_NO_COMPILE) "$(TORCH_SPEC)"
 	# A regular (not editable) install: it builds the wheel as users get it. Commands below run
 	# `python -m` from the checkout root, so the checkout's code is what runs and is tested.
-	$(PY) -m pip install -q .
+	$(PY) -m pip install -q $(PIP_NO_COMPILE) .
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PY) -m pip install -q ".[test]"
+	$(PY) -m pip install -q $(PIP_NO_COMPILE) ".[test]"
 	touch $@
 
 test: test-venv

@@ -15,8 +15,10 @@ trap 'rm -rf "$work"' EXIT
 pip="$work/venv/bin/python -m pip"
 $pip install -q --upgrade pip
 $pip wheel -q --no-deps "$repo" -w "$work/dist"
-$pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-$pip install -q "$work"/dist/cosybatch-*.whl
+# --no-compile: byte-compiling all of torch is most of the install's time and proves nothing here
+# (what runs is compiled when it is imported; tests/test_layers.py parses every module).
+$pip install -q --no-compile "${TORCH_SPEC:-torch==2.13.0}"
+$pip install -q --no-compile "$work"/dist/cosybatch-*.whl
 cd "$work"  # nothing of the checkout is importable from here
 cb="$work/venv/bin/cosybatch"
 "$work/venv/bin/python" -c "import cosybatch, sys; assert '$repo' not in cosybatch.__file__, cosybatch.__file__"
