@@ -1,7 +1,15 @@
 import os
 from pathlib import Path
 
-import pytest
+# Idle OpenMP threads sleep instead of spinning (libgomp's default spins for a while at every
+# barrier). The suite runs Python threads (pipeline, frontend, writer) and worker processes beside
+# torch's pool; on a 2-core box a spinning thread takes the core the other side needs, and HiFT's
+# elementwise ops at 2 threads ran 20x slower (a 0.2 s test took 8-14 s). Set before torch is
+# imported, and inherited by the CLI subprocesses. It changes no result: the thread count and how
+# work is split are the same. A value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
 
