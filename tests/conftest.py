@@ -1,7 +1,15 @@
 import os
 from pathlib import Path
 
-import pytest
+# Idle OpenMP threads sleep instead of spinning (libgomp's default spins for a while at every
+# barrier). The suite runs Python threads (pipeline, frontend, writer) and worker processes beside
+# torch's pool; on a 2-core box a spinning thread takes the core the other side needs, and HiFT's
+# elementwise ops at 2 threads ran 20x slower (a 0.2 s test took 8-14 s). Set before torch is
+# imported, and inherited by the CLI subprocesses. It changes no result: the thread count and how
+# work is split are the same. A value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
 
@@ -53,6 +61,21 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(n)
+
+
+# Fixtures that mean "compared with the official outputs" or "runs the fixture's models": a test
+# using one is a parity test and must carry the ``numeric`` mark, so that `make test-portable`
+# (``-m numeric``) runs it on the second kernel set. Kernel tests without them are marked by hand.
+_PARITY_FIXTURES = {"reference_dir", "parts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items
+                if _PARITY_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("numeric") is None and item.get_closest_marker("gpu") is None]
+    if unmarked:
+        raise pytest.UsageError("parity tests without the numeric mark (make test-portable would leave them out):\n  "
+                                + "\n  ".join(unmarked))
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,8 @@ from cosybatch.audio import (
 from cosybatch.audio.mel import hz_to_mel_slaney, mel_to_hz_slaney
 from cosybatch.models.config import MelConfig
 
+pytestmark = pytest.mark.numeric
+
 PROMPT_OF = {"utt1": "p1_16k", "utt2": "p2_24k", "utt3": "p3_16k", "utt4": "p4_24k", "utt5_paragraph": "p5_16k"}
 
 

@@ -161,6 +161,7 @@ def test_llm_and_flow_key_maps(model_dir):
     assert len(flow) == 50 and "decoder.estimator.rotary_embed.inv_freq" in flow
 
 
+@pytest.mark.numeric
 def test_hift_fold_matches_fixture_construction(model_dir):
     raw = read_state_dict(model_dir / "hift.pt")
     pairs = [k[: -len(".parametrizations.weight.original0")] for k in raw if k.endswith("original0")]
@@ -178,6 +179,7 @@ def test_hift_fold_matches_fixture_construction(model_dir):
         torch.testing.assert_close(w.flatten(1).norm(dim=1), g.flatten().to(want_dtype).abs())
 
 
+@pytest.mark.numeric
 def test_fold_is_bit_identical_to_torch_weight_norm():
     torch.manual_seed(0)
     conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(6, 5, 3))

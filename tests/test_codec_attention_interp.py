@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: the GPU tests run the compiled kernel", allow_module_level=True)

@@ -14,6 +14,8 @@ from cosybatch.codec.packing import RowSpec, SubSeqs, pack, subsequences, varlen
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full
 
+pytestmark = pytest.mark.numeric
+
 MEL_TOL = 1e-4
 
 

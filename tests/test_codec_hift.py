@@ -13,6 +13,8 @@ from cosybatch.reference.token2wav import HiftStream
 from conftest import ROWS, load_ref
 from parity import SAME_MEL_MAX_ABS, SAME_MEL_MIN_SNR_DB, assert_wave_close
 
+pytestmark = pytest.mark.numeric
+
 TOL = 1e-4  # the CUDA test's bound for the bounded-window stream vs the official re-run (design.md D10)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: the GPU tests run the compiled kernels", allow_module_level=True)

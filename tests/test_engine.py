@@ -26,7 +26,7 @@ from cosybatch.reference.samplers import nucleus_count
 OFFICIAL_RAS = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

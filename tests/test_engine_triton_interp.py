@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.numeric, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: tests/test_engine_gpu.py runs the compiled kernels", allow_module_level=True)
@@ -75,9 +75,13 @@ def test_rope_cache_and_paged_attention_match_torch():
     assert (out - ref.transpose(0, 1).reshape(t, -1)).abs().max() < 1e-5
 
 
+# The interpreter runs every program of a launch in Python, so the cost is the number of tile
+# programs times the decode steps: a 256-token speech vocabulary (the head's 456 rows are 15
+# decode tiles, not 6761 rows in 106) and short rows keep the engine test at a fifth of its cost
+# while it still packs 6 rows into 4 slots (two join mid-run) in both sampling modes.
 SMALL = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=96),
-                  llm_input_size=64, llm_output_size=64)
+                  llm_input_size=64, llm_output_size=64, speech_token_size=256)
 
 
 def test_triton_engine_is_batch_invariant_and_runs_ahead():
@@ -85,9 +89,9 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     reqs = []
     for i in range(6):
         text = [(7 * i + j * 13) % 5000 + 10 for j in range(5 + i % 3)]
-        p = (SamplingParams(seed=i, force_length=10 + i) if i % 2 else
+        p = (SamplingParams(seed=i, force_length=4 + i) if i % 2 else
              SamplingParams.standard(0.8, 0.9, 30, 1.3, seed=i, enforce_min_len=True))
-        reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 400 + i], params=p))
+        reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 200 + i], params=p))
 
     def engine(n):
         return LLMEngine(lm, engine_config(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
@@ -104,5 +108,5 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
         e4.add_request(**reqs[i], request_id=f"r{i}")
     e4.run()
     assert [e4.seqs[f"r{i}"].tokens for i in range(6)] == alone
-    assert [len(alone[i]) for i in (1, 3, 5)] == [11, 13, 15]
+    assert [len(alone[i]) for i in (1, 3, 5)] == [5, 7, 9]
     assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0

@@ -8,6 +8,8 @@ import torch
 from parity import assert_wave_close
 from helpers import FP32, drain, fixture_rows
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.fixture(scope="module")
 def chunk15(tmp_path_factory, model_dir):

@@ -12,6 +12,8 @@ from cosybatch.models.config import DiTConfig, FlowConfig
 from cosybatch.models.dit import DiT, apply_rotary, attention_mask
 from cosybatch.models.flow import CausalMaskedDiffWithDiT, PreLookaheadLayer, cfm_noise_table
 
+pytestmark = pytest.mark.numeric
+
 MEL_TOL = 1e-4
 DIT_TOL = 1e-5
 

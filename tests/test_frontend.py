@@ -11,6 +11,8 @@ from cosybatch.audio import AudioError, load_audio, resample, to_mono
 from cosybatch.models.config import MelConfig, ModelConfig
 from cosybatch.frontend.frontend import Frontend, PromptFeatures
 
+pytestmark = pytest.mark.numeric
+
 PROMPT_OF = {"utt1": "p1_16k", "utt2": "p2_24k", "utt3": "p3_16k", "utt4": "p4_24k", "utt5_paragraph": "p5_16k"}
 
 

@@ -26,7 +26,7 @@ from cosybatch.frontend.batch_features import kaldi_fbank_batch, pad_rows, whisp
 from cosybatch.checkpoint.synthetic_audio import speech_like
 
 SECONDS = (3.3, 4.7, 2.2, 6.1, 3.0)
-pytestmark = pytest.mark.usefixtures("one_thread")  # torch's OpenMP pool stalls on a busy CI box
+pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]  # torch's OpenMP pool stalls on a busy CI box
 
 
 @pytest.fixture(scope="module")

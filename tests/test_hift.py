@@ -29,6 +29,8 @@ from cosybatch.models.noise import sine_noise
 from conftest import ROWS, load_ref
 from parity import SAME_MEL_MAX_ABS, SAME_MEL_MIN_SNR_DB, assert_wave_close
 
+pytestmark = pytest.mark.numeric
+
 # HiFT on the fixture's own mels: no upstream rounding to amplify, so the waveform bound is the
 # tight same-mel one (tests/parity.py). f0 is exact everywhere (float64 predictor); the source
 # is exact with MKL's SSE4.2 kernels (the fixture's) and within 3e-8 with its AVX2 / AVX-512

@@ -6,6 +6,7 @@ from cosybatch.hops import HopSchedule, SegmentPlanner, plan_segment
 from conftest import ROWS
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("row", ROWS)
 def test_schedule_matches_official_chunks(reference_dir, row):
     meta = json.loads((reference_dir / f"{row}.json").read_text())

@@ -10,6 +10,8 @@ from cosybatch.models.speech_lm import CosyVoice3LM
 from cosybatch.reference.llm import generate_tokens, length_limits, mask_early_stop
 from cosybatch.models.silence import silent_filter
 
+pytestmark = pytest.mark.numeric
+
 # ---------------------------------------------------------------- loading
 
 

@@ -10,6 +10,8 @@ from torch import nn
 from cosybatch.models.config import FlowConfig, HiFTConfig, ModelConfig
 from cosybatch.models import noise
 
+pytestmark = pytest.mark.numeric
+
 
 def fixture_config(model_dir) -> ModelConfig:
     try:

@@ -22,6 +22,8 @@ from parity import (
     assert_wave_close,
 )
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.fixture(scope="module")
 def utt1(fixtures_dir, reference_dir):

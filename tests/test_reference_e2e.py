@@ -43,6 +43,8 @@ import torch
 from conftest import ROWS, load_ref
 from parity import assert_wave_close
 
+pytestmark = pytest.mark.numeric
+
 # Flow mel from our own frontend: measured <= 4.3e-5 (table above); a prompt mel 1e-3 off
 # gives 3.7e-4, a CFG rate 1 % off 1.4e-2, a wrong token ~1.
 MEL_TOL = 2e-4

@@ -14,6 +14,8 @@ from cosybatch.reference.samplers import (
     repetition_hit,
 )
 
+pytestmark = pytest.mark.numeric
+
 
 def _logp(probs):
     return torch.tensor(probs, dtype=torch.float32).log()

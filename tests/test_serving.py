@@ -8,6 +8,8 @@ from conftest import ROWS
 from helpers import FP32, drain, fixture_rows, official
 from parity import assert_wave_close
 
+pytestmark = pytest.mark.numeric
+
 
 # The last case: deadline batching and the AR step beside the codec (design.md D22) are
 # accepted on a CPU, where the AR step stays serial, and change no result.

@@ -7,6 +7,8 @@ import torch
 from parity import assert_wave_close
 from helpers import FP32, drain, fixture_rows
 
+pytestmark = pytest.mark.numeric
+
 
 def _pipe(parts, *extra):
     from cosybatch.profiles import load_profile

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from cosybatch.frontend.split_tf32 import SplitTF32Linear, split, split_linears, tf32_high
 from cosybatch.gpu.runtime import float32_math
 
+pytestmark = pytest.mark.numeric
+
 
 def _values(n=4096, seed=0):
     g = torch.Generator().manual_seed(seed)

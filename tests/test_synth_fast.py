@@ -11,6 +11,8 @@ from click.testing import CliRunner
 from conftest import ROWS, load_ref
 from parity import assert_wave_close
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
 def test_synth_default_profile_matches_official(fixtures_dir, reference_dir, tmp_path, stream):

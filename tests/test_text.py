@@ -47,6 +47,7 @@ def test_special_token_ids(tok):
     assert ids == list(range(151646, 151924))
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("row", ROWS)
 def test_encode_matches_fixture(tok, reference_dir, row):
     meta, ref = _meta(reference_dir, row), load_ref(reference_dir, row)
@@ -80,6 +81,7 @@ def test_tokenizer_rejects_wrong_vocab(model_dir, tmp_path):
 # ------------------------------------------------------------------ normalisation ---------
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("row", ROWS)
 def test_split_target_text_matches_fixture(tok, reference_dir, row):
     meta = _meta(reference_dir, row)
@@ -87,6 +89,7 @@ def test_split_target_text_matches_fixture(tok, reference_dir, row):
     assert split_target_text(meta["target_text"], tok, normalizer="none") == meta["segments"]
 
 
+@pytest.mark.numeric
 def test_paragraph_split_is_decided_by_token_counts(tok, reference_dir):
     meta = _meta(reference_dir, "utt5_paragraph")
     first, second = meta["segments"]
