@@ -34,6 +34,7 @@ __all__ = [
     "has_speech",
     "is_only_punctuation",
     "normalize_text",
+    "prepare_normalizer",
     "prompt_text_for",
     "spell_out_number",
     "split_paragraph",
@@ -100,6 +101,16 @@ def _inflect():
     import inflect
 
     return inflect.engine()
+
+
+def prepare_normalizer(normalizer: TextNormalizer) -> None:
+    """Import and build what ``normalize_text`` uses under ``normalizer`` (inflect, whose
+    import alone takes ~1-3 s; wetext), so that the first row does not wait for it."""
+    _check_normalizer(normalizer)
+    with _LOCK:
+        _inflect()
+        if normalizer == "wetext":
+            _wetext()
 
 
 def spell_out_number(text: str) -> str:
