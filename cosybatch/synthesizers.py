@@ -114,6 +114,12 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
     from cosybatch.text.normalize import prepare_normalizer
+    # This package's modules the loads below need are imported now, before their threads start:
+    # each thread then imports only third-party packages of its own (onnx; inflect, wetext), so
+    # no two threads wait on each other's imports (a cycle there hands one a half-done module).
+    import cosybatch.checkpoint.onnx_file, cosybatch.checkpoint.onnx_weights  # noqa: F401, E401
+    import cosybatch.frontend.ort_backend, cosybatch.text.tokenizer  # noqa: F401, E401
+    import cosybatch.models.flow, cosybatch.models.hift, cosybatch.models.speech_lm  # noqa: F401, E401
 
     # Resolve (and so validate) the profile before loading any weights, and set the
     # process-wide switches before any model work.
