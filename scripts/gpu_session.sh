@@ -15,7 +15,9 @@
 #        start-up phases: what a small job waits for; alternate them, e.g. `startup16base=.base
 #        startup16 startup16base=.base startup16`, the first run of a fresh machine also fills
 #        Triton's cache and the page cache), startupimports (that command under -X importtime:
-#        the imports that cost most, cumulative)
+#        the imports that cost most, cumulative), startuptests (the GPU tests of what the start-up
+#        work changed: weights straight to the GPU, lazy AR graphs, the GPU frontend read from
+#        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside, in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2 (two keys at once)
@@ -172,6 +174,11 @@ for c, depth, name in top:
     print(f"{c / 1e6:7.3f} s  {'  ' * depth}{name}")
 PY
       ;;
+    startuptests) setup; log "pytest -m gpu: models and tokenizer loaded straight to the GPU, lazy AR graph capture"
+      COSYBATCH_FRONTEND_DIR=$CKPT timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+        tests/test_startup.py tests/test_engine_gpu.py tests/test_frontend_gpu.py tests/test_pipeline_gpu.py \
+        -k "straight or lazy or matches_onnxruntime or packed_with_others" > "$OUT/startup_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/startup_tests.txt"; grep -E "passed|failed|error|SKIP" "$OUT/startup_tests.txt" | tail -20 ;;
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do synth_run synth-$run $WL/meta.lst --prompt-cache /tmp/pc; done ;;
     synthhost) setup; log "synth default --force-length under cProfile (the scheduling thread): where its host time goes"

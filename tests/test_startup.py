@@ -162,9 +162,10 @@ def test_parallel_phase_joins_every_part_and_raises_the_first_error():
 
 
 # ---------------------------------------------------------------- imports ------------------
-def test_a_gpu_frontend_run_imports_neither_onnxruntime_nor_ray(standins):
+def test_a_gpu_frontend_run_imports_neither_onnxruntime_nor_ray_nor_inflect(standins):
     """The fast path's modules and a PyTorch-backend frontend leave onnxruntime (only the
-    CPU frontend runs it) and ray (only ``--ray``) unimported."""
+    CPU frontend runs it) and ray (only ``--ray``) unimported, and a text without digits
+    inflect (1-3 s to import)."""
     code = f"""
 import sys
 import cosybatch.cli, cosybatch.synthesizers, cosybatch.scheduler.pipeline, cosybatch.run.synth
@@ -172,7 +173,9 @@ from cosybatch.models.config import ModelConfig
 from cosybatch.frontend.frontend import Frontend
 fe = Frontend({str(standins)!r}, ModelConfig(), backend="torch", device="cpu", warmup=False)
 assert fe.backend == "torch"
-print(sorted(m for m in ("onnxruntime", "ray") if m in sys.modules))
+from cosybatch.text.normalize import split_target_text
+assert split_target_text("Hello there, how are you today?", list, normalizer="none")
+print(sorted(m for m in ("onnxruntime", "ray", "inflect") if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

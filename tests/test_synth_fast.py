@@ -114,7 +114,8 @@ def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed
     try:
         assert len(calls) == (1 if warmed else 0)
         phases = pipe.startup.phases
-        assert {"models", "frontend", "AR engine", "codec"} <= set(phases)
+        assert {"loading (parallel)", "AR engine", "codec"} <= set(phases)
+        assert set(pipe.startup.parallel_parts["loading (parallel)"]) == {"models", "frontend", "text normalizer"}
         assert ("frontend warm-up" in phases) == warmed
     finally:
         pipe.close()
