@@ -177,7 +177,7 @@ PY
     startuptests) setup; log "pytest -m gpu: models and tokenizer loaded straight to the GPU, lazy AR graph capture"
       COSYBATCH_FRONTEND_DIR=$CKPT timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
         tests/test_startup.py tests/test_engine_gpu.py tests/test_frontend_gpu.py tests/test_pipeline_gpu.py \
-        -k "straight or lazy or matches_onnxruntime or packed_with_others" > "$OUT/startup_tests.txt" 2>&1
+        -k "straight or lazy or matches_onnxruntime or test_pipeline_gpu" > "$OUT/startup_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/startup_tests.txt"; grep -E "passed|failed|error|SKIP" "$OUT/startup_tests.txt" | tail -20 ;;
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do synth_run synth-$run $WL/meta.lst --prompt-cache /tmp/pc; done ;;

@@ -198,7 +198,8 @@ class ModelRunner:
         self._publish(self.rows.out[:n], n)
         if self.graphed and b not in self.graph_modes:
             # Lazy capture: this eager step was the bucket's warm-up (its kernels are loaded);
-            # the capture only records (it runs nothing), so the rows' state is not stepped twice.
+            # the capture only records (it runs nothing), so the rows' state is not stepped
+            # twice. A capture that fails leaves the bucket eager, with a warning.
             self._capture_bucket(b, warmup=0)
 
     def _publish(self, toks: torch.Tensor, n: int) -> None:
