@@ -82,7 +82,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_modes: dict[int, str] = {}
         self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
-        self._graph_pool = GraphPool()  # buckets captured largest first: the smaller reuse its memory
+        self._graph_pool = GraphPool()  # one pool: at start-up largest first, so the smaller reuse its memory
         self.prefill_graphs: PrefillGraphs | None = None
         self.graphed = cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable
         if self.graphed and cfg.graph_capture == "startup":
