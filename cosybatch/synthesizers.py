@@ -7,6 +7,7 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 import cosybatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,17 +138,14 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
             fe = Frontend(model_dir, cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
                           row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache,
                           warmup=False, text_normalizer=settings.text.normalizer)
-        try:  # loaded now rather than by the first row; a broken one still fails the rows, as before
-            fe.tokenizer  # noqa: B018
-        except Exception:  # noqa: BLE001
-            pass
+        _ahead_of_rows(lambda: fe.tokenizer)
         return fe
 
     # The three loads share nothing but the GPU's copy engine and the host (design.md D25):
     # the LM, flow and HiFT weights here, the frontend's models on one thread, the text
     # normalizer's imports (what the first row would otherwise pay) on another.
     with clock.parallel("loading (parallel)") as par:
-        par.start("text normalizer", lambda: prepare_normalizer(settings.text.normalizer))
+        par.start("text normalizer", lambda: _ahead_of_rows(lambda: prepare_normalizer(settings.text.normalizer)))
         fe = par.start("frontend", build_frontend)
         with par.part("models"):
             models = load_models(model_dir, device=str(device))
@@ -156,6 +156,15 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
     clock.log()
     return pipeline
+
+
+def _ahead_of_rows(load) -> None:
+    """Build now what the first row would build; if that fails, the rows still fail as they
+    did before (each builds it again and reports why), not the start-up."""
+    try:
+        load()
+    except Exception:  # noqa: BLE001
+        log.debug("built ahead of the rows: failed; the rows will say why", exc_info=True)
 
 
 def _on(device: torch.device):
