@@ -7,6 +7,7 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import time
@@ -169,8 +170,6 @@ def _ahead_of_rows(load) -> None:
 
 def _on(device: torch.device):
     """The run's device as the thread's current one (a new thread starts on device 0)."""
-    import contextlib
-
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
