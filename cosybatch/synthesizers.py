@@ -7,6 +7,8 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import platform
 from dataclasses import dataclass
 
@@ -14,6 +16,8 @@ import numpy as np
 import torch
 
 import cosybatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,26 +117,60 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     from cosybatch.gpu.runtime import apply_process_settings
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
+    from cosybatch.text.normalize import prepare_normalizer
+    # This package's modules the loads below need are imported now, before their threads start:
+    # each thread then imports only third-party packages of its own (onnx; inflect, wetext), so
+    # no two threads wait on each other's imports (a cycle there hands one a half-done module).
+    import cosybatch.checkpoint.onnx_file, cosybatch.checkpoint.onnx_weights  # noqa: F401, E401
+    import cosybatch.frontend.ort_backend, cosybatch.text.tokenizer  # noqa: F401, E401
+    import cosybatch.models.flow, cosybatch.models.hift, cosybatch.models.speech_lm  # noqa: F401, E401
 
     # Resolve (and so validate) the profile before loading any weights, and set the
     # process-wide switches before any model work.
-    settings = resolve(profile, load_config(model_dir), device)
+    cfg = load_config(model_dir)
+    settings = resolve(profile, cfg, device)
     apply_process_settings(settings.process)
     clock = StartupClock(device)
-    with clock.phase("models"):
-        models = load_models(model_dir, device=str(device))
-    # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
     f = settings.frontend
-    with clock.phase("frontend"):
-        frontend = Frontend(model_dir, models.cfg, backend=f.backend, device=device, dtype=f.dtype,
-                            split_tf32=f.split_tf32, row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30,
-                            disk_cache=prompt_cache, warmup=False, text_normalizer=settings.text.normalizer)
+
+    def build_frontend() -> Frontend:
+        # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
+        with _on(device):
+            fe = Frontend(model_dir, cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
+                          row_bucket=f.row_bucket, cache_size=4096, cache_bytes=2 << 30, disk_cache=prompt_cache,
+                          warmup=False, text_normalizer=settings.text.normalizer)
+        _ahead_of_rows(lambda: fe.tokenizer)
+        return fe
+
+    # The three loads share nothing but the GPU's copy engine and the host (design.md D25):
+    # the LM, flow and HiFT weights here, the frontend's models on one thread, the text
+    # normalizer's imports (what the first row would otherwise pay) on another.
+    with clock.parallel("loading (parallel)") as par:
+        par.start("text normalizer", lambda: _ahead_of_rows(lambda: prepare_normalizer(settings.text.normalizer)))
+        fe = par.start("frontend", build_frontend)
+        with par.part("models"):
+            models = load_models(model_dir, device=str(device))
+    frontend = fe.result()
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()
     pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
     clock.log()
     return pipeline
+
+
+def _ahead_of_rows(load) -> None:
+    """Build now what the first row would build; if that fails, the rows still fail as they
+    did before (each builds it again and reports why), not the start-up."""
+    try:
+        load()
+    except Exception:  # noqa: BLE001
+        log.debug("built ahead of the rows: failed; the rows will say why", exc_info=True)
+
+
+def _on(device: torch.device):
+    """The run's device as the thread's current one (a new thread starts on device 0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class FastSynthesizer:

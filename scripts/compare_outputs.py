@@ -30,6 +30,11 @@ def _rows(out: Path) -> dict:
     return rows
 
 
+def _file(rec: dict) -> str:
+    """The row's audio file: ``file`` in today's ledgers, ``wav`` in those written before formats."""
+    return rec.get("file") or rec["wav"]
+
+
 def _pcm(path: Path) -> np.ndarray:
     with wave.open(str(path)) as w:
         data = w.readframes(w.getnframes())
@@ -49,7 +54,7 @@ def main(argv=None) -> int:
     tok_diff = [u for u in common if ra[u].get("tokens") != rb[u].get("tokens")]
     len_diff, snrs = [], []
     for u in common:
-        x, y = _pcm(args.a / ra[u]["wav"]), _pcm(args.b / rb[u]["wav"])
+        x, y = _pcm(args.a / _file(ra[u])), _pcm(args.b / _file(rb[u]))
         if len(x) != len(y):
             len_diff.append(u)
             continue

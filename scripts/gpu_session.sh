@@ -12,6 +12,13 @@
 #        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
+#        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
+#        start-up phases: what a small job waits for; alternate them, e.g. `startup16base=.base
+#        startup16 startup16base=.base startup16`, the first run of a fresh machine also fills
+#        Triton's cache and the page cache), startupimports (that command under -X importtime:
+#        the imports that cost most, cumulative), startuptests (the GPU tests of what the start-up
+#        work changed: weights straight to the GPU, lazy AR graphs, the GPU frontend read from
+#        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside, in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2 (two keys at once)
@@ -155,6 +162,27 @@ for step in "$@"; do
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
+    startup16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst; synth_run startup16 $WL/m16.lst ;;
+    startup16base=*) setup; d=${step#startup16base=}
+      [ -d "$d/cosybatch" ] || { log "startup16base: $d/cosybatch not found"; continue; }
+      head -n 16 $WL/meta.lst > $WL/m16.lst; ( cd "$d" && synth_run "startup16-${d//[^A-Za-z0-9_.-]/_}" $WL/m16.lst ) ;;
+    startupimports) setup; head -n 16 $WL/meta.lst > $WL/m16.lst; log "synth over 16 rows under -X importtime"
+      rm -rf /tmp/startupimports
+      python3 -X importtime -m cosybatch synth $WL/m16.lst --model $CKPT --out /tmp/startupimports --device cuda \
+        --force-length --quiet 2> "$OUT/startupimports.txt"; echo "rc=$?" >> "$OUT/startupimports.txt"
+      python3 - "$OUT/startupimports.txt" <<'PY' | tee -a "$OUT/startupimports-top.txt"
+import re, sys
+rows = [m.groups() for m in re.finditer(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)", open(sys.argv[1]).read())]
+top = sorted(((int(c), len(ind) // 2, name) for _, c, ind, name in rows if len(ind) <= 4), reverse=True)[:40]
+for c, depth, name in top:
+    print(f"{c / 1e6:7.3f} s  {'  ' * depth}{name}")
+PY
+      ;;
+    startuptests) setup; log "pytest -m gpu: models and tokenizer loaded straight to the GPU, lazy AR graph capture"
+      COSYBATCH_FRONTEND_DIR=$CKPT timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+        tests/test_startup.py tests/test_engine_gpu.py tests/test_frontend_gpu.py tests/test_pipeline_gpu.py \
+        -k "straight or lazy or matches_onnxruntime or test_pipeline_gpu" > "$OUT/startup_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/startup_tests.txt"; grep -E "passed|failed|error|SKIP" "$OUT/startup_tests.txt" | tail -20 ;;
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do synth_run synth-$run $WL/meta.lst --prompt-cache /tmp/pc; done ;;
     synthhost) setup; log "synth default --force-length under cProfile (the scheduling thread): where its host time goes"

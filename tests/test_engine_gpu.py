@@ -150,6 +150,20 @@ def test_decode_steps_are_fully_graphed(big_lm):
     assert modes == {b: "step" for b in (1, 2, 4, 8)}  # forward + sampling + state update
 
 
+def test_lazy_capture_gives_the_same_tokens_and_captures_only_what_runs(big_lm, reqs, alone_tokens):
+    """``graph_capture="lazy"``: nothing captured before the first request; a decode bucket is
+    captured right after its first (eager) step without stepping the rows twice, a prefill
+    bucket at its second use; the tokens are those of the start-up captures."""
+    eng = _engine(big_lm, max_num_seqs=16, graph_capture="lazy")
+    assert eng.runner.graphed and not eng.runner.graphs and not eng.runner.prefill_graphs.buckets
+    got = run_together(eng, reqs, list(range(len(reqs))))
+    modes = dict(eng.runner.graph_modes)
+    buckets = eng.cfg.buckets()
+    _free(eng)
+    assert got == alone_tokens
+    assert modes and set(modes.values()) == {"step"} and set(modes) <= set(buckets)
+
+
 def test_graphed_prefill_equals_eager_bits(big_lm, reqs):
     eng = _engine(big_lm, max_num_seqs=16)
     pg = eng.runner.prefill_graphs

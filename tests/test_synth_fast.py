@@ -116,7 +116,28 @@ def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed
     try:
         assert len(calls) == (1 if warmed else 0)
         phases = pipe.startup.phases
-        assert {"models", "frontend", "AR engine", "codec"} <= set(phases)
+        assert {"loading (parallel)", "AR engine", "codec"} <= set(phases)
+        assert set(pipe.startup.parallel_parts["loading (parallel)"]) == {"models", "frontend", "text normalizer"}
         assert ("frontend warm-up" in phases) == warmed
+    finally:
+        pipe.close()
+
+
+def test_what_is_built_ahead_of_the_rows_does_not_fail_the_start_up(model_dir, monkeypatch):
+    """The text normaliser is built during start-up for the first row's sake; if that fails,
+    the start-up does not (the rows build it again and report why, as before)."""
+    import torch
+
+    import cosybatch.text.normalize as normalize
+    from cosybatch.profiles import load_profile
+    from cosybatch.synthesizers import _fast_pipeline
+
+    def broken(normalizer):
+        raise ImportError("no normaliser here")
+
+    monkeypatch.setattr(normalize, "prepare_normalizer", broken)
+    pipe = _fast_pipeline(model_dir, torch.device("cpu"), load_profile("default"))
+    try:
+        assert "text normalizer" in pipe.startup.parallel_parts["loading (parallel)"]
     finally:
         pipe.close()

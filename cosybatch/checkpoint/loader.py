@@ -327,9 +327,13 @@ def hift_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return fold_weight_norm(plain, float64_prefixes=("f0_predictor.",))
 
 
-def strict_load(module: nn.Module, state_dict: Mapping[str, torch.Tensor], what: str) -> None:
+def strict_load(module: nn.Module, state_dict: Mapping[str, torch.Tensor], what: str,
+                device: str | torch.device | None = None) -> None:
     """load_state_dict(strict=True), but failing with one CheckpointError that names ``what``
-    and lists every missing key, unexpected key and shape mismatch."""
+    and lists every missing key, unexpected key and shape mismatch. ``device``: each tensor
+    goes from the file straight there, in the dtype of the module's own tensor (what copying
+    into it would convert to), and replaces it: no copy into the CPU module first (3.4 GB of
+    fresh pages for the full-size LM and flow), then none out of it, tensor by tensor."""
     expected = module.state_dict()
     missing = [k for k in expected if k not in state_dict and k not in _OPTIONAL_BUFFERS]
     unexpected = [k for k in state_dict if k not in expected]
@@ -350,8 +354,10 @@ def strict_load(module: nn.Module, state_dict: Mapping[str, torch.Tensor], what:
     for k in _OPTIONAL_BUFFERS:
         if k in expected and k not in sd:
             sd[k] = expected[k]
+    if device is not None:
+        sd = {k: v.to(device=device, dtype=expected[k].dtype).contiguous() for k, v in sd.items()}
     try:
-        module.load_state_dict(sd, strict=True)
+        module.load_state_dict(sd, strict=True, assign=device is not None)
     except RuntimeError as e:
         raise CheckpointError(f"{what}: {e}") from e
 
@@ -411,7 +417,9 @@ def load_models(model_dir: str | Path, device: str | torch.device = "cpu") -> Lo
         with _no_random_init():
             module = cls(sub, model_cfg=cfg) if name == "hift" else cls(sub)
         sd = convert(read_state_dict(files[name]))
-        strict_load(module, sd, str(files[name]))
+        # On a GPU the weights go there from the file; then only the buffers the module made
+        # itself (noise and source tables, the STFT window) move with .to().
+        strict_load(module, sd, str(files[name]), device=None if torch.device(device).type == "cpu" else device)
         del sd
         built[name] = module.to(device).eval()
     return LoadedModels(cfg=cfg, **built)

@@ -38,20 +38,21 @@ class OnnxGraph:
 
     @classmethod
     def read(cls, path) -> "OnnxGraph":
-        import onnx
+        """The graph at ``path``, its initializers read-only views of the file (``onnx_file``)."""
         from onnx import numpy_helper
 
+        from cosybatch.checkpoint.onnx_file import read_onnx
+
         try:
-            model = onnx.load(str(path))
+            f = read_onnx(path)
         except Exception as e:  # protobuf raises several types for a damaged file
             raise FrontendModelError(f"{path}: not a readable ONNX model ({e})") from e
-        g = model.graph
+        g = f.graph
         consts = {}
         for n in g.node:
             if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
                 consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-        inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        return cls(str(path), {n.name: n for n in g.node}, inits, consts, list(g.input), list(g.output))
+        return cls(str(path), {n.name: n for n in g.node}, f.initializers, consts, list(g.input), list(g.output))
 
     def node(self, name: str, what: str):
         n = self.nodes.get(name)
@@ -66,18 +67,19 @@ class OnnxGraph:
 
     def weight(self, node_name: str, what: str, index: int | None = None, transposed: bool = False) -> torch.Tensor:
         """The parameter input of a node: at ``index``, or its only initializer input; with
-        ``transposed``, its transpose (a MatMul's [in, out] as a Linear's [out, in]), made in
-        the one copy out of the file's read-only buffer (a second copy to transpose a ~1 GB
-        tokenizer cost seconds of start-up)."""
+        ``transposed``, its transpose (a MatMul's [in, out] as a Linear's [out, in]). A float32
+        initializer comes back as a view of the file, not a copy: the model's load makes the
+        one copy (on its device), and a ~1 GB tokenizer copied twice cost seconds of start-up."""
         n = self.node(node_name, what)
         cands = [i for i in n.input if i in self.inits] if index is None else (
             [n.input[index]] if index < len(n.input) and n.input[index] in self.inits else [])
         if len(cands) != 1:
             raise FrontendModelError(f"{self.path}: node {node_name!r} has no single weight input ({what})")
-        src = self.inits[cands[0]].T if transposed else self.inits[cands[0]]
-        out = np.empty(src.shape, np.float32)
-        out[...] = src
-        return torch.from_numpy(out)
+        src = self.inits[cands[0]]
+        if src.dtype != np.float32 or not src.flags.writeable:
+            src = src.astype(np.float32)
+        t = torch.from_numpy(src)
+        return t.t() if transposed else t
 
     def io_names(self) -> tuple[list[str], list[str]]:
         return [i.name for i in self.inputs], [o.name for o in self.outputs]
@@ -217,10 +219,11 @@ def campplus_state(g: OnnxGraph) -> tuple[CAMPPlusConfig, dict]:
 
 
 # ---- building the modules ------------------------------------------------------------------
-def _build(cls, cfg, state: dict, path: str, what: str) -> torch.nn.Module:
+def _build(cls, cfg, state: dict, path: str, what: str, device=None) -> torch.nn.Module:
     """The module with exactly these tensors: built on the meta device (no random init of
-    weights about to be replaced), the file's tensors assigned, the rest (rotary tables,
-    BatchNorm counters) made on the CPU."""
+    weights about to be replaced), the file's tensors assigned -- copied straight to
+    ``device`` if given, else to the CPU -- the rest (rotary tables, BatchNorm counters) made
+    on the CPU."""
     with torch.device("meta"):
         model = cls(cfg)
     want = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
@@ -229,15 +232,23 @@ def _build(cls, cfg, state: dict, path: str, what: str) -> torch.nn.Module:
     if missing or extra or bad:
         raise FrontendModelError(f"{path}: not the {what} structure (missing {missing[:4]}, unexpected "
                                  f"{extra[:4]}, shape mismatch {sorted(bad)[:4]})")
-    model.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=False, assign=True)
+    # One copy each, aligned and contiguous (the file's views are unaligned, and a kernel's
+    # arithmetic may depend on its operands' alignment).
+    if device is None:
+        weights = {k: torch.empty(v.shape, dtype=v.dtype).copy_(v) for k, v in state.items()}
+    else:
+        weights = {k: v.to(device).contiguous() for k, v in state.items()}
+    model.load_state_dict(weights, strict=False, assign=True)
     model.init_buffers()
     return model.eval()
 
 
-def load_s3tokenizer(path: str | Path) -> S3TokenizerV3:
+def load_s3tokenizer(path: str | Path, device=None) -> S3TokenizerV3:
+    """``device``: where its weights go, in float32 (its buffers stay on the CPU until the
+    module is moved)."""
     g = OnnxGraph.read(path)
     cfg, state = s3tokenizer_state(g)
-    return _build(S3TokenizerV3, cfg, state, str(path), _TOK)
+    return _build(S3TokenizerV3, cfg, state, str(path), _TOK, device)
 
 
 def load_campplus(path: str | Path) -> CAMPPlus:

@@ -82,10 +82,14 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_modes: dict[int, str] = {}
         self._logit_bufs: dict[int, torch.Tensor] = {}  # buckets graphed without their sampling
-        self._graph_pool = GraphPool()  # buckets captured largest first: the smaller reuse its memory
+        self._graph_pool = GraphPool()  # one pool: at start-up largest first, so the smaller reuse its memory
         self.prefill_graphs: PrefillGraphs | None = None
-        if cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable:
+        self.graphed = cfg.cuda_graphs and self.device.type == "cuda" and self.executor.graphable
+        if self.graphed and cfg.graph_capture == "startup":
             self.capture_graphs()
+        elif self.graphed:  # lazy: each bucket when the run first needs it (``decode_launch``, ``PrefillGraphs.run``)
+            self._prefill_graphs(capture=False)
+            self.reset_rows()
 
     # ---------------------------------------------------------------- rows
 
@@ -178,6 +182,7 @@ class ModelRunner:
         """Enqueue one decode step for the running sequences (seqs[i] sits in row i) and an
         asynchronous copy of its ids to pinned host memory; ``decode_collect`` waits for them."""
         n = len(seqs)
+        b = None
         if self.executor.graphable:
             b = self.bucket(n)
             g = self.graphs.get(b)
@@ -191,6 +196,11 @@ class ModelRunner:
         else:
             self._decode_step(n, seqs)
         self._publish(self.rows.out[:n], n)
+        if self.graphed and b not in self.graph_modes:
+            # Lazy capture: this eager step was the bucket's warm-up (its kernels are loaded);
+            # the capture only records (it runs nothing), so the rows' state is not stepped
+            # twice. A capture that fails leaves the bucket eager, with a warning.
+            self._capture_bucket(b, warmup=0)
 
     def _publish(self, toks: torch.Tensor, n: int) -> None:
         """Queue the step's ids for the host: on CUDA an asynchronous copy into pinned memory and
@@ -234,30 +244,38 @@ class ModelRunner:
         to a graph of the forward alone with eager sampling, then to eager, with a warning."""
         self.executor.warmup(self.cfg.buckets())
         for b in sorted(self.cfg.buckets(), reverse=True):
-            for mode in ("step", "forward"):
-                try:
-                    self._capture(b, mode)
-                    self.graph_modes[b] = mode
-                    break
-                except Exception as e:
-                    log.warning("CUDA graph capture (%s) failed for decode bucket %d: %s", mode, b, e)
-                    torch.cuda.synchronize(self.device)
-            else:
-                self.graph_modes[b] = "eager"
-        largest = min(self.cfg.prefill_graph_tokens, self.cfg.max_prefill_tokens)
-        if largest > 0:
-            self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows,
-                                                token_buckets(largest), self._graph_pool)
+            self._capture_bucket(b)
+        self._prefill_graphs(capture=True)
         torch.cuda.synchronize(self.device)
         self.reset_rows()
 
-    def _capture(self, b: int, mode: str) -> None:
+    def _prefill_graphs(self, capture: bool) -> None:
+        largest = min(self.cfg.prefill_graph_tokens, self.cfg.max_prefill_tokens)
+        if largest > 0:
+            self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows,
+                                                token_buckets(largest), self._graph_pool, capture=capture)
+
+    @torch.inference_mode()
+    def _capture_bucket(self, b: int, warmup: int = 1) -> None:
+        """Decode bucket ``b`` as a graph of the whole step, else of the forward alone, else
+        eager (recorded in ``graph_modes``; a failure is logged, never raised)."""
+        for mode in ("step", "forward"):
+            try:
+                self._capture(b, mode, warmup)
+                self.graph_modes[b] = mode
+                return
+            except Exception as e:
+                log.warning("CUDA graph capture (%s) failed for decode bucket %d: %s", mode, b, e)
+                torch.cuda.synchronize(self.device)
+        self.graph_modes[b] = "eager"
+
+    def _capture(self, b: int, mode: str, warmup: int = 1) -> None:
         if mode == "step":
             fn = lambda: self._decode_step(b, None)  # noqa: E731
         else:
             buf = torch.empty(b, self.vocab_padded, dtype=torch.float32, device=self.device)
             fn = lambda: buf.copy_(self.executor.decode(b))  # noqa: E731
-        g, _ = self._graph_pool.capture(fn)  # warms this exact shape up first
+        g, _ = self._graph_pool.capture(fn, warmup=warmup)  # warm-up: this exact shape first
         self.graphs[b] = g
         if mode == "forward":
             self._logit_bufs[b] = buf

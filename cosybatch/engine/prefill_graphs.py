@@ -11,6 +11,10 @@ whose block table is all zeros) writing the scratch slot 0: they attend only to 
 and their outputs are never read. The kernels are batch invariant (a token's bits never
 depend on how many tokens share the launch), so a graphed prefill equals the eager one bit
 for bit. Larger prefills run eager: there the launches are a small share.
+
+Buckets are captured before the first request, or (``capture=False``, the engine's lazy
+``graph_capture``) at their second use: a bucket a run meets once (a job's first, bulk
+prefill) is never captured, one it meets again is from then on.
 """
 
 from __future__ import annotations
@@ -35,25 +39,37 @@ def token_buckets(largest: int, smallest: int = 128) -> tuple[int, ...]:
 
 
 class PrefillGraphs:
-    def __init__(self, executor, scratch_row: int, max_seqs: int, buckets: tuple[int, ...], pool: GraphPool):
+    def __init__(self, executor, scratch_row: int, max_seqs: int, buckets: tuple[int, ...], pool: GraphPool,
+                 capture: bool = True):
         self.executor = executor
         self.scratch_row = scratch_row
         self.max_seqs = max_seqs
         self.device = executor.device
         self.pool = pool
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, static input, logits)
+        self._planned = tuple(sorted(buckets))
+        self._seen: dict[int, int] = {}  # lazy: uses of each bucket not captured yet (failed ones: -1)
         self.replays = 0
         self.eager = 0
-        for b in sorted(buckets, reverse=True):  # largest first: the smaller reuse its memory
-            try:
-                self._capture(b)
-            except Exception as e:
-                log.warning("CUDA graph capture failed for prefill bucket %d (it runs eager): %s", b, e)
-                torch.cuda.synchronize(self.device)
+        if capture:
+            for b in sorted(buckets, reverse=True):  # largest first: the smaller reuse its memory
+                if not self._try_capture(b):
+                    self._seen[b] = -1  # not tried again
 
     @property
     def buckets(self) -> tuple[int, ...]:
+        """The buckets captured so far."""
         return tuple(sorted(self._graphs))
+
+    def _try_capture(self, b: int) -> bool:
+        try:
+            self._capture(b)
+            return True
+        except Exception as e:
+            log.warning("CUDA graph capture failed for prefill bucket %d (it runs eager): %s", b, e)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return False
 
     def _padding(self, t: int) -> torch.Tensor:
         """A host input of ``t`` padding tokens and ``max_seqs`` last-token indices of 0."""
@@ -72,6 +88,11 @@ class PrefillGraphs:
         """Logits [len(last), Vp] of the prefill ``inp`` (a host [5, T] tensor): from the
         smallest bucket that holds it, else eager from the same inputs."""
         t = inp.shape[1]
+        want = next((b for b in self._planned if b >= t), None)
+        if want is not None and want not in self._graphs and self._seen.get(want, 0) >= 0 and len(last) <= self.max_seqs:
+            uses = self._seen[want] = self._seen.get(want, 0) + 1
+            if uses >= 2:  # lazy: captured at its second use (its padding warms it up first)
+                self._seen[want] = 0 if self._try_capture(want) else -1
         bucket = next((b for b in sorted(self._graphs) if b >= t), None)
         if bucket is None or len(last) > self.max_seqs:
             self.eager += 1

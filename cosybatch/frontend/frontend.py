@@ -89,14 +89,15 @@ def _choose_backend(model_dir: Path, cfg: ModelConfig, backend: str, device, dty
         return ort("requested", True)
     if backend == "auto" and dev.type != "cuda":
         return ort("no CUDA device: onnxruntime on the CPU is the reference path", True)
-    try:
-        tok = load_s3tokenizer(model_dir / "speech_tokenizer_v3.onnx")
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    try:  # the tokenizer's ~1 GB of weights straight from the file to the GPU
+        tok = load_s3tokenizer(model_dir / "speech_tokenizer_v3.onnx", device=dev if cuda else None)
         cam = load_campplus(model_dir / "campplus.onnx")
     except (FrontendModelError, FileNotFoundError) as e:
         if backend == "torch":
             raise
         return ort(str(e))
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not cuda:
         if backend == "torch":
             raise RuntimeError("frontend backend 'torch' on cuda: CUDA is not available")
         return ort("CUDA is not available")

@@ -46,6 +46,10 @@ class ARProfile:
     # decode steps replayed from CUDA graphs, one per batch size below (CUDA only)
     cuda_graphs: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # when those graphs are captured: startup (every decode bucket and prefill token bucket
+    # before the first request) or lazy (a decode bucket right after its first, eager step; a
+    # prefill bucket at its second use): a run captures only what it uses (design.md D25)
+    graph_capture: Literal["startup", "lazy"] = "startup"
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class FastPipeline:
         prefill graphs, which replay on the same stream. Serial elsewhere."""
         if mode != "beside":
             return None
-        if self.device.type != "cuda" or not self.engine.runner.graphs:
+        if self.device.type != "cuda" or not self.engine.runner.graphed:
             log.info("scheduler.ar_stream=beside needs CUDA and a graphed AR decode; the AR step runs serial")
             return None
         return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes

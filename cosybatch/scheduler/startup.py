@@ -1,14 +1,20 @@
 """Start-up, timed by phase: what a run pays before its first row (loading weights, the
 frontend's warm-up, the AR engine's graph captures). The window a run's throughput is measured
 over starts after all of it, so the summary and timing.json report it beside that figure
-rather than hide it."""
+rather than hide it.
+
+Independent parts of it run at once (``StartupClock.parallel``): their phase is the wall time
+of the whole group, so the phases still add up to the start-up, and each part's own time is
+reported inside that phase (``parallel_s``), never as a phase of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import threading
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +40,7 @@ class StartupClock:
     def __init__(self, device: torch.device | None = None):
         self.device = device
         self.phases: dict[str, float] = {}
+        self.parallel_parts: dict[str, dict[str, float]] = {}  # a parallel phase -> its parts' times
         age = process_age_s()
         if age is not None:
             self.phases["process start and imports"] = round(age, 3)
@@ -52,13 +59,84 @@ class StartupClock:
                 torch.cuda.synchronize(self.device)
             self.phases[name] = round(self.phases.get(name, 0.0) + time.perf_counter() - t0, 3)
 
+    @contextlib.contextmanager
+    def parallel(self, name: str):
+        """A phase whose parts run at once: ``start(part, fn)`` runs ``fn`` on a thread of its
+        own and returns a ``Part`` (``result()`` waits for it); ``part(part)`` times a block of
+        the calling thread. The phase ends when every part has (each is joined, also when
+        another failed: no thread of the start-up outlives it); the first error (the calling
+        thread's first) is raised then."""
+        group = _Parallel()
+        with self.phase(name):
+            try:
+                yield group
+            finally:
+                errors = group.join()
+                self.parallel_parts[name] = {k: round(v, 3) for k, v in group.times.items()}
+            if errors:
+                raise errors[0]
+
     @property
     def total_s(self) -> float:
         return round(sum(self.phases.values()), 3)
 
     def as_dict(self) -> dict:
-        return {"total_s": self.total_s, "phases_s": dict(self.phases)}
+        out = {"total_s": self.total_s, "phases_s": dict(self.phases)}
+        if self.parallel_parts:
+            out["parallel_s"] = {k: dict(v) for k, v in self.parallel_parts.items()}
+        return out
 
     def log(self) -> None:
-        parts = ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
-        log.info("start-up %.1f s: %s", self.total_s, parts)
+        def one(k: str, v: float) -> str:
+            inside = self.parallel_parts.get(k)
+            return f"{k} {v:.1f} s" + (f" ({', '.join(f'{p} {t:.1f} s' for p, t in inside.items())})" if inside else "")
+        log.info("start-up %.1f s: %s", self.total_s, ", ".join(one(k, v) for k, v in self.phases.items()))
+
+
+class Part:
+    """One part of a parallel phase running on its own thread."""
+
+    def __init__(self, group: "_Parallel", name: str, fn: Callable[[], Any]):
+        self._value: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(group, name, fn), name=f"start-up: {name}")
+
+    def _run(self, group: "_Parallel", name: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the thread that waits for it
+            self.error = e
+        finally:
+            group.times[name] = time.perf_counter() - t0
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self._value
+
+
+class _Parallel:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._parts: list[Part] = []
+
+    def start(self, name: str, fn: Callable[[], Any]) -> Part:
+        p = Part(self, name, fn)
+        self._parts.append(p)
+        p._thread.start()
+        return p
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = time.perf_counter() - t0
+
+    def join(self) -> list[BaseException]:
+        for p in self._parts:
+            p._thread.join()
+        return [p.error for p in self._parts if p.error is not None]

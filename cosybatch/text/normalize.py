@@ -34,6 +34,7 @@ __all__ = [
     "has_speech",
     "is_only_punctuation",
     "normalize_text",
+    "prepare_normalizer",
     "prompt_text_for",
     "spell_out_number",
     "split_paragraph",
@@ -102,11 +103,25 @@ def _inflect():
     return inflect.engine()
 
 
+def prepare_normalizer(normalizer: TextNormalizer) -> None:
+    """Import and build what ``normalize_text`` will use under ``normalizer``, so that the first
+    row does not wait for it: wetext's normaliser; without one, inflect (every digit reaches it
+    then; wetext leaves it few, and its import alone takes 1-3 s, paid only when one comes)."""
+    _check_normalizer(normalizer)
+    with _LOCK:
+        if normalizer == "wetext":
+            _wetext()
+        else:
+            _inflect()
+
+
 def spell_out_number(text: str) -> str:
     """Every maximal run of ``str.isdigit()`` characters replaced by inflect's
     ``number_to_words`` (official ``spell_out_number``). Two departures where the official
     raises: a digit that is not ASCII (``²``) is read as its value, and a run too long for
     inflect is read digit by digit."""
+    if not any(c.isdigit() for c in text):  # nothing to read: inflect's import (~1-3 s) not paid
+        return text
     import inflect
 
     out = []
