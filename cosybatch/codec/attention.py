@@ -183,10 +183,18 @@ class TritonBackend:
         """[layers, tiles] int32 key starts: each tile's own plus each layer's offset."""
         return meta.tensors["k_start"][None, :] + bases.to(torch.int32)[:, None]
 
-    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
+    # ``run`` can write into a shared output and zero-fill in the same launch (``run(..., out, fill)``)
+    fills = True
+
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            fill: tuple[LaunchMeta, ...] | None = None) -> torch.Tensor:
+        """``out``: written at this launch's tokens only; ``fill``: launches (this one among them)
+        whose tokens without any key become zeros in this launch (``chunk_attention``'s fill)."""
         t = meta.tensors
+        tables = None if fill is None else tuple(m.tensors["k_len"] for m in fill)
         return self._k.chunk_attention(q, k, v, t["tiles"], t["k_start"] if keys is None else keys, t["k_len"],
-                                       self.block_m, self.block_n, self.num_warps, self.num_stages)
+                                       self.block_m, self.block_n, self.num_warps, self.num_stages, out=out,
+                                       fill=tables)
 
 
 def varlen_available(device) -> bool:

@@ -19,7 +19,8 @@ moves by each layer's arena offset (the same contract as the varlen backends).
 For CUDA graphs the tile table is padded to a count the graph bucket fixes (tiles with no rows
 exit at once, and come last so that they never delay real work); real tiles are ordered by
 decreasing key count so that the longest programs start first. Tokens outside the launch's
-sub-sequences are zeros (the output starts zeroed: one memset, a few microseconds).
+sub-sequences are zeros: the output starts zeroed (one memset, a few microseconds), or, with
+``fill``, extra programs of the same launch write the zeros (no memset kernel).
 """
 
 from __future__ import annotations
@@ -67,13 +68,24 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start, cols, klim, kmax, sk, s
     return acc, m_new, l_i
 
 
-@triton.jit
-def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr,
-                       sq, sqh, sk, skh, sv, svh, so, soh, qk_scale,
+@triton.jit(do_not_specialize=["n_tiles", "n_tok"])
+def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr, fill_a_ptr, fill_b_ptr,
+                       sq, sqh, sk, skh, sv, svh, so, soh, qk_scale, n_tiles, n_tok,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+                       INTERPRETED: tl.constexpr, FILL: tl.constexpr):
     h = tl.program_id(0)
     t = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    if FILL > 0:
+        if t >= n_tiles:  # a zero-fill program: BLOCK_M tokens no launch gives a key are zeros
+            tok = ((t - n_tiles) * BLOCK_M + rm).to(tl.int64)
+            empty = (tok < n_tok) & (tl.load(fill_a_ptr + tok, mask=tok < n_tok, other=1) == 0)
+            if FILL > 1:
+                empty = empty & (tl.load(fill_b_ptr + tok, mask=tok < n_tok, other=1) == 0)
+            zero = tl.zeros([BLOCK_M, D], dtype=o_ptr.dtype.element_ty)
+            tl.store(o_ptr + tok[:, None] * so + h * soh + rd[None, :], zero, mask=empty[:, None])
+            return
     rows = tl.load(tiles_ptr + t * 4 + 1)
     if rows == 0:  # padding of a graph bucket
         return
@@ -81,8 +93,6 @@ def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr
     kmin = tl.load(tiles_ptr + t * 4 + 2)
     kmax = tl.load(tiles_ptr + t * 4 + 3)
     k0 = tl.load(keys_ptr + t).to(tl.int64)  # int64: arena slots reach past 2^31 elements
-    rm = tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, D)
     cols = tl.arange(0, BLOCK_N)
     live = rm < rows
     tok = (q0 + rm).to(tl.int64)
@@ -179,19 +189,36 @@ def prepare_tiles(seqs: SubSeqs, n_tokens: int, device, block_m: int, merge: boo
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor, k_start: torch.Tensor,
                     k_len: torch.Tensor, block_m: int, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, out: torch.Tensor | None = None,
+                    fill: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [M, H, D] (any token and head strides, unit channel stride) -> [N, H, D]
-    in q's dtype: the attention of every tile's rows over its keys, zeros elsewhere."""
+    in q's dtype: the attention of every tile's rows over its keys, zeros elsewhere.
+
+    ``out`` [N, H, D] (unit channel stride): written in place, only at the tiles' rows (so two
+    launches over disjoint tokens can share it) and at the zeros of ``fill``. ``fill``: one or two
+    per-token key-count tables ([N] ints, e.g. this launch's and another's ``k_len``); the tokens
+    with no key in any of them are written as zeros by ``cdiv(N, block_m)`` extra programs of the
+    same launch, which replaces the zero fill of a fresh output (a kernel of its own). Without
+    ``out`` and ``fill`` the output is zero-filled first."""
     n, heads, d = q.shape
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or d & (d - 1) or d < 16:
         raise ValueError("chunk_attention: unit channel stride and a power-of-two head size >= 16 needed")
-    out = torch.zeros(n, heads, d, device=q.device, dtype=q.dtype)
+    if fill is not None and not 1 <= len(fill) <= 2:
+        raise ValueError("chunk_attention: fill takes one or two key-count tables")
+    if out is None:
+        out = (torch.empty if fill else torch.zeros)(n, heads, d, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.stride(2) != 1 or out.dtype != q.dtype:
+        raise ValueError("chunk_attention: out must be shaped and typed as q, with unit channel stride")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    fills = tuple(fill or ())
     if n:
-        grid = (heads, tiles.shape[0])
-        _chunk_attn_kernel[grid](q, k, v, out, tiles, k_start, k_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                 v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-                                 D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                                 INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        n_tiles = tiles.shape[0]
+        grid = (heads, n_tiles + (triton.cdiv(n, block_m) if fills else 0))
+        fa = fills[0] if fills else k_len
+        fb = fills[-1] if fills else k_len
+        _chunk_attn_kernel[grid](q, k, v, out, tiles, k_start, k_len, fa, fb, q.stride(0), q.stride(1), k.stride(0),
+                                 k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
+                                 n_tiles, n, D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                                 INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", FILL=len(fills),
                                  num_warps=num_warps, num_stages=num_stages)
     return out
