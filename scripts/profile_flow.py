@@ -3,11 +3,14 @@
 For streaming hops of ``--rows`` rows in lock step (prompt 5 s, prefix reused, the mid-row
 hop), per row count: GPU milliseconds per Euler step from graph replays (CUDA events), padded
 tokens per step, and the fit ``ms = fixed + per_token * tokens`` over the row counts. Then
-one kernel profile of the eager step at ``--profile-rows`` rows: the kernels by GPU time per
-Euler step, with launch counts, so the fixed part can be named. ``--variants`` times the step
-with and without the Triton kernels side by side (``VARIANTS``) and compares each variant's mels
-with the first's over four rows' hops. Random full-size weights.
+one kernel profile of the eager step at ``--profile-rows`` rows per ``--profile-variants``: the
+kernels by GPU time per Euler step, with launch counts, so the fixed part can be named, and the
+kernels per DiT layer (the step with every block against the step with one). ``--variants``
+times the step with and without the Triton kernels or the fused layer's parts side by side
+(``VARIANTS``) and compares each variant's mels with the first's over four rows' hops; a table
+of both last. Random full-size weights.
   python scripts/profile_flow.py --rows 1,2,4,8,16,32 --profile-rows 4 --json out.json
+  python scripts/profile_flow.py --rows 6,12,24 --hop 2 --variants unfused,triton --profile-variants unfused,triton
 """
 
 from __future__ import annotations
