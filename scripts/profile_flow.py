@@ -129,15 +129,17 @@ def compare(base: list, other: list) -> dict:
     return {"worst_rel_rms": rel, "max_abs": max((a - b).abs().max().item() for a, b in zip(other, base))}
 
 
-def kernel_profile(runner, rows, hop, top, what=""):
+def kernel_profile(runner, rows, hop, top, what="", fresh=None):
     """Kernels of one eager Euler step, then kernels per DiT layer: the same step's launches
-    with every block against one block only (the difference over depth - 1 blocks)."""
+    with every block against one block only (the difference over depth - 1 blocks). ``fresh``:
+    rows whose whole responses join the profiled call (uncached, full attention: the self launch
+    beside the pool's, as a call of the pipeline often has)."""
     from torch.profiler import ProfilerActivity, profile
 
     seq = hop_jobs(rows, "prof", hop)
     for jobs in seq[:-1]:
         runner.run(jobs)
-    solve = runner.start(seq[-1])
+    solve = runner.start(seq[-1] + [FlowJob(("fresh", i), tok, pr) for i, (pr, tok) in enumerate(fresh or ())])
     solve.step(1)
     cuda = runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -157,6 +159,8 @@ def kernel_profile(runner, rows, hop, top, what=""):
         runner.tables.blocks = blocks
     solve.step(runner.n_steps - 3)
     solve.finish()
+    for i in range(len(rows)):
+        runner.release(("prof", i))
     depth = len(blocks)
     full, single = _launches(prof, cuda), _launches(one, cuda)
     per = {k: (n - single.get(k, (0, 0))[0], t - single.get(k, (0, 0))[1]) for k, (n, t) in full.items()}
@@ -239,18 +243,24 @@ def main(argv=None):
                                                                       for v in variants) + " |")
         print("| fit | | " + " | ".join(f"{out[v]['fit']['fixed_ms']:.2f} ms + {out[v]['fit']['us_per_token']:.2f} us/token"
                                          if "fit" in out[v] else "-" for v in variants) + " |", flush=True)
-    out["profile"] = {}
+    out["profile"], out["profile_mixed"] = {}, {}
     for variant in (args.profile_variants or variants[-1]).split(","):
         opts = dict(VARIANTS[variant]) if cuda else {}
         eager = FlowRunner(flow, dtype=dtype, attention=opts.pop("attention", args.attention),
                            prefix_budget_bytes=16 << 30, **opts)
         rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
         out["profile"][variant] = kernel_profile(eager, rows, args.hop, args.top, f"[{variant}]")
-    prof = out["profile"]
+        # the same cached rows with two short whole responses beside them (pool + self launches)
+        fresh = make_rows(cfg, 2, 125, 25, args.device, seed=98)
+        out["profile_mixed"][variant] = kernel_profile(eager, rows, args.hop, args.top, f"[{variant}, + fresh rows]",
+                                                       fresh)
+    prof, mixed = out["profile"], out["profile_mixed"]
     if len(prof) > 1:
         print("| | " + " | ".join(prof) + " |")
         print("|---|" + "---|" * len(prof))
         print("| kernels per layer | " + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in prof.values()) + " |")
+        print("| kernels per layer, + uncached rows (pool + self launches) | "
+              + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in mixed.values()) + " |")
         print("| ms of kernels per layer (eager) | " + " | ".join(f"{p['layer_ms']:.3f}" for p in prof.values()) + " |")
         print("| launches per step | " + " | ".join(f"{p['step_launches']}" for p in prof.values()) + " |")
         print("| ms of kernels per step (eager) | " + " | ".join(f"{p['kernel_ms']:.3f}" for p in prof.values()) + " |")
