@@ -8,7 +8,9 @@ the full-size DiT's widths (dim 1024, 16 heads of 64, FF 2048), on CUDA:
 - kv: the Triton rotary + two (8-byte wide) ``index_copy_`` into the arena against
   ``triton_kernels.rotary_qk_kv_``;
 - fill: the attention into a zero-filled output against the attention writing its own zeros
-  (a streaming-hop layout: chunks of 50 queries over 400+ arena keys, 10 % of tokens in no chunk).
+  (a streaming-hop layout: chunks of 50 queries over 400+ arena keys, 10 % of tokens in no chunk);
+- merge: that launch beside a self launch (whole rows of 500 frames), both with fill into one
+  output, against both as one launch (``prepare_pair``).
 
     PYTHONPATH=$PWD python3 scripts/bench_layer_parts.py [--tokens 2048,4608,9216] [--json OUT]
 
@@ -120,6 +122,26 @@ def parts(n: int, g) -> dict:
     meta = be.prepare(seqs, n, "cuda")
     out["fill"] = (lambda: be.run(q, arena[0], arena[1], meta), lambda: be.run(q, arena[0], arena[1], meta, fill=(meta,)),
                    diff(be.run(q, arena[0], arena[1], meta), be.run(q, arena[0], arena[1], meta, fill=(meta,))))
+
+    # merge: the same pool launch beside a self launch (whole rows of 500 frames over this call's
+    # keys, as many tokens again), each writing its own tokens of one output (with fill), against
+    # both as one launch
+    m = 2 * n
+    k0s = np.arange(n, m - 499, 500, dtype=np.int64)
+    self_ = SubSeqs(k0s, np.full(len(k0s), 500), k0s, np.full(len(k0s), 500))
+    q2, k2, v2 = rnd(m, 3, HEADS, DH).unbind(1)
+    mp, ms = be.prepare(seqs, m, "cuda"), be.prepare(self_, m, "cuda")
+    pair = be.prepare_pair(seqs, self_, m, "cuda")
+
+    def two_launches():
+        o = q2.new_empty(q2.shape)
+        be.run(q2, arena[0], arena[1], mp, out=o)
+        return be.run(q2, k2, v2, ms, out=o, fill=(mp, ms))
+
+    def one_launch():
+        return be.run(q2, arena[0], arena[1], pair, fill=(pair,), k2=k2, v2=v2)
+
+    out["merge"] = (two_launches, one_launch, diff(two_launches(), one_launch()))
     return out
 
 

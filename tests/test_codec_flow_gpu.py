@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from cosybatch.codec.flow_runner import FlowJob, FlowRunner
+from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner
 from cosybatch.hops import HopSchedule, plan_segment
 from cosybatch.models.config import DiTConfig, FlowConfig
 from cosybatch.models.flow import CausalMaskedDiffWithDiT
@@ -391,7 +391,7 @@ def test_fused_layers_keep_the_flow(setup):
         pytest.skip("Triton needs CUDA")
     flow, rows = setup
     ref = FlowRunner(flow, attention="triton", triton_kernels=True)  # float32 (IEEE products in the attention)
-    assert ref.fusions == ("chain", "gelu", "kv", "fill")
+    assert ref.fusions == FUSIONS
     worst = max((out - want).abs().max().item() for _, out, want in _run_all(ref, rows, flow))
     print(f"fp32 fused layers vs reference: max abs {worst:.2e}")
     assert worst <= FP32_TOL

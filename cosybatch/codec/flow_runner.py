@@ -40,7 +40,7 @@ from cosybatch.prompt import PromptFeatures
 
 DEFAULT_PREFIX_BUDGET = 4 << 30
 # The fused layer's parts (``FlowRunner(fusions=...)``, design.md D25).
-FUSIONS = ("chain", "gelu", "kv", "fill")
+FUSIONS = ("chain", "gelu", "kv", "fill", "merge")
 
 
 @dataclass(eq=False)  # holds tensors: compared by identity
@@ -111,7 +111,8 @@ class FlowRunner:
         without; design.md D25): ``chain`` each block's feed-forward residual fused with the next
         block's LayerNorm (one LayerNorm kernel per step), ``gelu`` the GELU in
         FF1's cuBLASLt epilogue, ``kv`` the K/V arena writes in the rotary kernel, ``fill`` the
-        attention's zeros written by its own launch (no memset, no torch.where). ``()`` is the
+        attention's zeros written by its own launch (no memset, no torch.where), ``merge`` a
+        call's pool and self attention launches as one (Triton attention). ``()`` is the
         unfused path, kept as the reference; the eager twins run wherever Triton does not."""
         self.flow = flow
         self.cfg = flow.cfg
@@ -158,8 +159,9 @@ class FlowRunner:
         self.fusions = tuple(f for f in FUSIONS if f in fusions)
         self.tables = self._tables(ConvPositionEmbed(self.dit, conv_form), pre, post)
         self.tables.qkv = qkv
-        self.tables.chain, self.tables.kv_writes, self.tables.fill = ("chain" in fusions, "kv" in fusions,
-                                                                      "fill" in fusions)
+        t = self.tables
+        t.chain, t.kv_writes, t.fill, t.merge = ("chain" in fusions, "kv" in fusions, "fill" in fusions,
+                                                 "merge" in fusions)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
@@ -339,13 +341,19 @@ class FlowRunner:
         if has_pool:
             self.cache.ensure_arena()
         n_att = lay.tokens
-        pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
-        self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        merged = self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair")
+        if merged:  # one launch for both (its tile count: both bucket bounds together)
+            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
+                                             self._launch_sizes(sizes, "self"))
+            self_ = None
+        else:
+            pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
+            self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
         slots = np.where(lay.pool_slots >= 0, lay.pool_slots, self.cache.dump)
         b = StepBuffers(x=x, step=torch.zeros(1, dtype=torch.long, device=dev),
                         static=static_inputs(self.flow, jobs, lay, self.dtype, dev), valid=t(lay.conv_valid),
                         conv_of_token=t(lay.conv_of_token), cos=cos, sin=sin, pool_slots=t(slots),
-                        pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_)
+                        pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_, merged=merged)
         cached = [p for p in plans if p.q_start > p.conv_start]
         if lay.margin:
             margin = torch.zeros(self.n_steps, lay.margin, mel, device=dev, dtype=self.dtype)

@@ -52,6 +52,9 @@ class FlowTables:
     # ``fill``: the attention writes one output (pool and self launches together) and its own
     # zeros, where the eager form zero-fills each launch's output and selects with torch.where.
     fill: bool = False
+    # ``merge`` (read when a call's buffers are made, ``StepBuffers.merged``): a call with both
+    # launches runs them as one kernel launch.
+    merge: bool = False
 
 
 @dataclass
@@ -71,6 +74,9 @@ class StepBuffers:
     self_: LaunchMeta | None
     margin_conv: torch.Tensor | None = None  # [2 * margin] long
     margin: torch.Tensor | None = None  # [steps, margin, mel] dtype: earlier trajectory at the margin frames
+    # ``pool`` is both launches as one (``prepare_pair``: the pool's keys from the arena, the
+    # self launch's from this call's k/v); ``self_`` is then None
+    merged: bool = False
     record_idx: torch.Tensor | None = None  # [records] long: tokens whose trajectory the next hop needs
     traj: torch.Tensor | None = None  # [steps, records, mel] float32, written step by step
     extra: dict = field(default_factory=dict)
@@ -136,6 +142,12 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
 def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys, written: bool = False, fill: bool = False):
     """The layer's attention output [N, H, Dh]. ``written``: K/V already in the arena (the
     rotary wrote them); ``fill``: one output for both launches, zeros written by the last."""
+    if b.merged:  # one launch: cached rows' keys from the arena, the others' from this call's k/v
+        keys, idx = pool_keys
+        if not written:
+            _wide(arena.k).index_copy_(0, idx, _wide(k))
+            _wide(arena.v).index_copy_(0, idx, _wide(v))
+        return backend.run(q, arena.k, arena.v, b.pool, keys, fill=(b.pool,) if fill else None, k2=k, v2=v)
     if fill:
         out = q.new_empty(q.shape)
         launches = tuple(m for m in (b.pool, b.self_) if m is not None)
