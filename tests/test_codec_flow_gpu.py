@@ -357,7 +357,8 @@ def test_gelu_epilogue_is_the_tanh_gelu_and_no_less_accurate(setup):
 
 def test_shared_output_attention_equals_the_zero_filled_select():
     """Pool and self launches written into one output, zeros from the last launch's fill
-    programs: bit-equal to two zero-filled outputs merged by torch.where (bf16, the same kernel)."""
+    programs, and both as one launch (``prepare_pair``): bit-equal to two zero-filled outputs
+    merged by torch.where (bf16, the same kernel and the same sums)."""
     if DEVICE != "cuda":
         pytest.skip("Triton needs CUDA")
     import numpy as np
@@ -381,6 +382,8 @@ def test_shared_output_attention_equals_the_zero_filled_select():
     be.run(q, arena[0], arena[1], mp, out=out)
     be.run(q, k, v, ms, out=out, fill=(mp, ms))
     assert torch.equal(out, want)
+    pair = be.prepare_pair(pool, self_, n, "cuda", (16, 50, None), (8, 128, None))  # both launches as one
+    assert torch.equal(be.run(q, arena[0], arena[1], pair, fill=(pair,), k2=k, v2=v), want)
 
 
 def test_fused_layers_keep_the_flow(setup):
