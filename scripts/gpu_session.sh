@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof hiftprof hift frontend c32 c32host c32warm
+# steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof fuseprof layerparts hiftprof hift frontend c32 c32host c32warm
 #        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests prefill
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
@@ -92,6 +92,12 @@ for step in "$@"; do
     flowprof) log "profile_flow: graphed step time vs rows (fixed cost fit) + eager kernel profile"
       timeout 300 python3 scripts/profile_flow.py --rows 1,4,8,16 --hop 1 --profile-rows 16 \
         --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
+    fuseprof) log "profile_flow: the unfused layer vs each fused part vs all (design.md D26): graphed step fit + kernels per layer"
+      timeout 300 python3 scripts/profile_flow.py --rows ${FUSE_ROWS:-6,12,24} --hop 2 --reps 2 --profile-rows 8 --top 12 \
+        --variants ${FUSE_VARIANTS:-unfused,+chain,+gelu,+kv,+fill,triton} --profile-variants unfused,triton \
+        --json "$OUT/profile_fuse.json" 2>&1 | tee "$OUT/profile_fuse.txt" | grep -v "^  [ 0-9]" ;;
+    layerparts) log "bench_layer_parts: each fused layer part vs the ops it replaces (µs, kernels, difference)"
+      timeout 200 python3 scripts/bench_layer_parts.py --json "$OUT/bench_layer_parts.json" 2>&1 | tee "$OUT/bench_layer_parts.txt" | grep "^|" ;;
     conv) log "bench_codec --conv: the position convs, NCL vs channels-last, by length"
       timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
         --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
@@ -109,7 +115,7 @@ for step in "$@"; do
         > "$OUT/pipeline_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/pipeline_tests.txt"; grep -E "passed|failed|Error|dB" "$OUT/pipeline_tests.txt" | tail -30 ;;
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
-      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv " "$OUT/flow_tests.txt" | tail -24 ;;
+      echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv |gelu|fused" "$OUT/flow_tests.txt" | tail -30 ;;
     hifttests) log "pytest -m gpu tests/test_codec_hift.py tests/test_graph_cache.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codec_hift.py tests/test_graph_cache.py > "$OUT/hift_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hift_tests.txt"; tail -4 "$OUT/hift_tests.txt" ;;

@@ -3,11 +3,14 @@
 For streaming hops of ``--rows`` rows in lock step (prompt 5 s, prefix reused, the mid-row
 hop), per row count: GPU milliseconds per Euler step from graph replays (CUDA events), padded
 tokens per step, and the fit ``ms = fixed + per_token * tokens`` over the row counts. Then
-one kernel profile of the eager step at ``--profile-rows`` rows: the kernels by GPU time per
-Euler step, with launch counts, so the fixed part can be named. ``--variants`` times the step
-with and without the Triton kernels side by side (``VARIANTS``) and compares each variant's mels
-with the first's over four rows' hops. Random full-size weights.
+one kernel profile of the eager step at ``--profile-rows`` rows per ``--profile-variants``: the
+kernels by GPU time per Euler step, with launch counts, so the fixed part can be named, and the
+kernels per DiT layer (the step with every block against the step with one). ``--variants``
+times the step with and without the Triton kernels or the fused layer's parts side by side
+(``VARIANTS``) and compares each variant's mels with the first's over four rows' hops; a table
+of both last. Random full-size weights.
   python scripts/profile_flow.py --rows 1,2,4,8,16,32 --profile-rows 4 --json out.json
+  python scripts/profile_flow.py --rows 6,12,24 --hop 2 --variants unfused,triton --profile-variants unfused,triton
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_codec import build_flow, make_rows  # noqa: E402
 
-from cosybatch.codec.flow_runner import FlowJob, FlowRunner  # noqa: E402
+from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner  # noqa: E402
 from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
 
 
@@ -34,10 +37,15 @@ from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
 # convs; every Triton kernel (what the pipeline runs on CUDA).
 # "triton-varlen" / "triton-attn": the Triton kernels without the fused residual + LayerNorm, with
 # FlashAttention's varlen kernel / the Triton attention (an "attention" entry overrides --attention).
+# "unfused": the Triton kernels without the fused layer's parts (design.md D26, what the pipeline
+# ran before them); "+chain", "+gelu", "+kv", "+fill": one part each; "triton": all of them (the
+# default with triton_kernels).
 VARIANTS = {"eager": {"triton_kernels": False}, "cudnn-conv": {"triton_kernels": True, "conv_form": "channels_last"},
             "triton": {"triton_kernels": True},
-            "triton-varlen": {"triton_kernels": True, "fused_ln": False, "attention": "varlen"},
-            "triton-attn": {"triton_kernels": True, "fused_ln": False, "attention": "triton"}}
+            "triton-varlen": {"triton_kernels": True, "fused_ln": False, "attention": "varlen", "fusions": ()},
+            "triton-attn": {"triton_kernels": True, "fused_ln": False, "attention": "triton", "fusions": ()},
+            "unfused": {"triton_kernels": True, "fusions": ()},
+            **{f"+{f}": {"triton_kernels": True, "fusions": (f,)} for f in FUSIONS}}
 
 
 def hop_jobs(rows, tag, hop):
@@ -121,23 +129,62 @@ def compare(base: list, other: list) -> dict:
     return {"worst_rel_rms": rel, "max_abs": max((a - b).abs().max().item() for a, b in zip(other, base))}
 
 
-def kernel_profile(runner, rows, hop, top):
+def kernel_profile(runner, rows, hop, top, what="", fresh=None):
+    """Kernels of one eager Euler step, then kernels per DiT layer: the same step's launches
+    with every block against one block only (the difference over depth - 1 blocks). ``fresh``:
+    rows whose whole responses join the profiled call (uncached, full attention: the self launch
+    beside the pool's, as a call of the pipeline often has)."""
     from torch.profiler import ProfilerActivity, profile
 
     seq = hop_jobs(rows, "prof", hop)
     for jobs in seq[:-1]:
         runner.run(jobs)
-    solve = runner.start(seq[-1])
+    solve = runner.start(seq[-1] + [FlowJob(("fresh", i), tok, pr) for i, (pr, tok) in enumerate(fresh or ())])
     solve.step(1)
     cuda = runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    act = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=act) as prof:
         solve.step(1)
         sync()
-    solve.step(runner.n_steps - 2)
+    out = kernel_table(prof, f"one eager Euler step, {len(rows)} rows {what}", top, cuda)
+    blocks = runner.tables.blocks
+    runner.tables.blocks = blocks[:1]
+    try:
+        with profile(activities=act) as one:
+            solve.step(1)
+            sync()
+    finally:
+        runner.tables.blocks = blocks
+    solve.step(runner.n_steps - 3)
     solve.finish()
-    return kernel_table(prof, f"one eager Euler step, {len(rows)} rows", top, cuda)
+    for i in range(len(rows)):
+        runner.release(("prof", i))
+    depth = len(blocks)
+    full, single = _launches(prof, cuda), _launches(one, cuda)
+    per = {k: (n - single.get(k, (0, 0))[0], t - single.get(k, (0, 0))[1]) for k, (n, t) in full.items()}
+    per = {k: (n / (depth - 1), t / (depth - 1)) for k, (n, t) in per.items() if n}
+    out["kernels_per_layer"] = sum(n for n, _ in per.values())
+    out["layer_ms"] = sum(t for _, t in per.values()) / 1e3
+    out["step_launches"] = sum(n for n, _ in full.values())
+    out["per_layer"] = [{"kernel": k, "count": n, "us": t} for k, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])]
+    print(f"# kernels per layer {what}: {out['kernels_per_layer']:.2f} ({out['layer_ms']:.3f} ms of kernels per layer; "
+          f"{out['step_launches']} launches per step)", flush=True)
+    for r in out["per_layer"]:
+        print(f"    x{r['count']:4.2f} {r['us']:8.1f} us  {r['kernel'][:100]}", flush=True)
+    return out
+
+
+def _launches(prof, cuda: bool) -> dict:
+    """{kernel: (launches, us)} of a profile (ops on the CPU)."""
+    out = {}
+    for ev in prof.key_averages():
+        t = (getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)) if cuda \
+            else ev.self_cpu_time_total
+        if t > 0 and ev.count > 0:
+            out[ev.key] = (ev.count, t)
+    return out
 
 
 def kernel_table(prof, what: str, top: int, cuda: bool = True) -> dict:
@@ -169,7 +216,9 @@ def main(argv=None):
     ap.add_argument("--size", default="full", choices=["tiny", "small", "full"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default="eager,cudnn-conv,triton",
-                    help=f"comma list of {', '.join(VARIANTS)}; the kernel profile runs the last")
+                    help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--profile-variants", default=None,
+                    help="comma list of variants to kernel-profile (default: the last of --variants)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -194,11 +243,30 @@ def main(argv=None):
                                                                       for v in variants) + " |")
         print("| fit | | " + " | ".join(f"{out[v]['fit']['fixed_ms']:.2f} ms + {out[v]['fit']['us_per_token']:.2f} us/token"
                                          if "fit" in out[v] else "-" for v in variants) + " |", flush=True)
-    opts = dict(VARIANTS[variants[-1]]) if cuda else {}
-    eager = FlowRunner(flow, dtype=dtype, attention=opts.pop("attention", args.attention),
-                       prefix_budget_bytes=16 << 30, **opts)
-    rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
-    out["profile"] = kernel_profile(eager, rows, args.hop, args.top)
+    out["profile"], out["profile_mixed"] = {}, {}
+    for variant in (args.profile_variants or variants[-1]).split(","):
+        opts = dict(VARIANTS[variant]) if cuda else {}
+        eager = FlowRunner(flow, dtype=dtype, attention=opts.pop("attention", args.attention),
+                           prefix_budget_bytes=16 << 30, **opts)
+        rows = make_rows(cfg, args.profile_rows, 125, 250, args.device, seed=99)
+        out["profile"][variant] = kernel_profile(eager, rows, args.hop, args.top, f"[{variant}]")
+        # the same cached rows with two short whole responses beside them (pool + self launches)
+        fresh = make_rows(cfg, 2, 125, 25, args.device, seed=98)
+        out["profile_mixed"][variant] = kernel_profile(eager, rows, args.hop, args.top, f"[{variant}, + fresh rows]",
+                                                       fresh)
+    prof, mixed = out["profile"], out["profile_mixed"]
+    if len(prof) > 1:
+        print("| | " + " | ".join(prof) + " |")
+        print("|---|" + "---|" * len(prof))
+        print("| kernels per layer | " + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in prof.values()) + " |")
+        print("| kernels per layer, + uncached rows (pool + self launches) | "
+              + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in mixed.values()) + " |")
+        print("| ms of kernels per layer (eager) | " + " | ".join(f"{p['layer_ms']:.3f}" for p in prof.values()) + " |")
+        print("| launches per step | " + " | ".join(f"{p['step_launches']}" for p in prof.values()) + " |")
+        print("| ms of kernels per step (eager) | " + " | ".join(f"{p['kernel_ms']:.3f}" for p in prof.values()) + " |")
+        for v in variants:
+            if "fit" in out[v]:
+                print(f"| graphed step fit [{v}] | {out[v]['fit']['fixed_ms']:.3f} ms + {out[v]['fit']['us_per_token']:.3f} us/token |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

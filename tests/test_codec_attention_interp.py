@@ -139,3 +139,107 @@ def test_triton_is_a_codec_attention_choice():
 
     assert load_profile("default", ["codec.attention=triton"]).codec.attention == "triton"
     assert make_backend("triton", "cpu", torch.float32).name == "triton"  # the interpreter runs it here
+
+
+def test_shared_output_and_zero_fill_in_the_launch():
+    """Two launches over disjoint tokens written into one uninitialised output, the zeros of the
+    tokens neither covers written by the second launch's fill programs: equal to the zero-filled
+    outputs merged with torch.where (no memset, no select), whatever the output held before."""
+    from cosybatch.codec.triton_attention import chunk_attention
+
+    gen = torch.Generator().manual_seed(11)
+    n = 70
+    seqs = lambda *cols: SubSeqs(*(np.array(c, dtype=np.int64) for c in cols))  # noqa: E731
+    a = seqs([0, 20], [12, 8], [0, 0], [12, 20])  # tokens 0-11, 20-27
+    b = seqs([40, 50], [5, 9], [40, 40], [5, 14])  # 40-44, 50-58; 12-19, 28-39, 59-69 in neither
+    q, k, v = _qkv(n, gen)
+    be = TritonBackend(block_m=16, block_n=32)
+    ma, mb = be.prepare(a, n, "cpu"), be.prepare(b, n, "cpu")
+    want_a, want_b = be.run(q, k, v, ma), be.run(q, k, v, mb)
+    in_a = _covered(a, n)[:, None, None]
+    want = torch.where(in_a, want_a, want_b)
+    out = torch.full((n, HEADS, DH), float("nan"))
+    be.run(q, k, v, ma, out=out)
+    be.run(q, k, v, mb, out=out, fill=(ma, mb))
+    assert torch.equal(out, want)
+    alone = be.run(q, k, v, mb, fill=(mb,))  # one launch: its own zeros, in a fresh output
+    assert torch.equal(alone, want_b)
+    t = ma.tensors
+    with pytest.raises(ValueError, match="fill"):
+        chunk_attention(q, k, v, t["tiles"], t["k_start"], t["k_len"], 16, fill=(t["k_len"],) * 3)
+
+
+def test_two_launches_as_one_equal_each_alone():
+    """``prepare_pair``: a pool-like launch (keys from an arena, moved by a layer offset) and a
+    self launch (keys from this call's k/v) over disjoint tokens as one kernel launch, padded to
+    a bucket's tile count: equal to the two launches merged by torch.where, zeros elsewhere."""
+    gen = torch.Generator().manual_seed(12)
+    n = 70
+    seqs = lambda *cols: SubSeqs(*(np.array(c, dtype=np.int64) for c in cols))  # noqa: E731
+    pool = seqs([0, 10, 40], [10, 10, 6], [3, 3, 30], [25, 30, 9])  # arena rows, before the offset
+    self_ = seqs([20, 50], [12, 9], [20, 50], [12, 14])  # 20-31, 50-58; 32-39, 46-49, 59-69 in neither
+    q, k, v = _qkv(n, gen)
+    arena = torch.randn(2, 100, HEADS, DH, generator=gen)
+    offset = torch.tensor([0, 41])  # two layers' slots
+    be = TritonBackend(block_m=16, block_n=32)
+    mp, ms = be.prepare(pool, n, "cpu"), be.prepare(self_, n, "cpu")
+    pair = be.prepare_pair(pool, self_, n, "cpu", (4, 16, None), (3, 16, None))
+    tiles = pair.tensors["tiles"]
+    assert tiles.shape[0] == 7 and int((tiles[:, 1] > 0).sum()) == 5  # padded to both bounds (4 + 3)
+    in_pool = _covered(pool, n)[:, None, None]
+    for layer in range(2):
+        want = torch.where(in_pool, be.run(q, arena[0], arena[1], mp, be.layer_keys(mp, offset)[layer]),
+                           be.run(q, k, v, ms))
+        keys = be.layer_keys(pair, offset)[layer]
+        for fill in (None, (pair,)):
+            assert torch.equal(be.run(q, arena[0], arena[1], pair, keys, fill=fill, k2=k, v2=v), want)
+    with pytest.raises(ValueError, match="k2"):
+        be.run(q, arena[0], arena[1], pair)
+
+
+def test_fused_flow_layers_match_the_unfused_step():
+    """A small float32 flow with the fused parts (design.md D26) against the unfused step: a
+    streaming hop with prefix reuse (the pool launch and its K/V writes) beside a final hop (the
+    self launch) in one call. The chained residual + LayerNorm, the rotary writing the arena, the
+    attention's own zeros and both launches as one (the GELU epilogue is CUDA's: its CPU form is
+    the eager pair):
+    float32 reordering only (measured max abs 8e-7, bound 1e-5; a wrong arena row or a missed
+    zero moves outputs by O(1)). One Euler step per call: the interpreter's cost is per program."""
+    from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner
+    from cosybatch.hops import HopSchedule, plan_segment
+    from cosybatch.models.config import DiTConfig, FlowConfig
+    from cosybatch.models.flow import CausalMaskedDiffWithDiT
+    from cosybatch.prompt import PromptFeatures
+
+    torch.manual_seed(0)
+    cfg = FlowConfig(pre_lookahead_channels=16, n_timesteps=1,
+                     dit=DiTConfig(dim=32, depth=2, heads=HEADS, dim_head=DH, static_chunk_size=10))
+    flow = CausalMaskedDiffWithDiT(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i, (p, n) in enumerate([(5, 17), (4, 12)]):  # 3 and 2 hops of one attention chunk
+        pr = PromptFeatures(torch.randint(0, cfg.vocab_size, (p,), generator=g), torch.randn(1, cfg.spk_embed_dim, generator=g),
+                            torch.randn(1, 2 * p, cfg.output_size, generator=g))
+        tok = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        rows.append((f"r{i}", pr, tok, plan_segment(HopSchedule(hop=5, max_hop=5, scale=1), p, n)))
+
+    def run_all(runner):
+        outs = []
+        for hop in range(2):  # hop 1: row 0 reuses its prefix (pool), row 1 is final (self)
+            outs += runner.run([FlowJob(name, tok, pr, ch[hop]) for name, pr, tok, ch in rows])
+        assert runner.stats["cached_tokens"] > 0
+        return outs
+
+    base = run_all(FlowRunner(flow, attention="triton", triton_kernels=True, fusions=()))
+    fused = FlowRunner(flow, attention="triton", triton_kernels=True)
+    assert fused.fusions == FUSIONS and fused.tables.chain and fused.tables.kv_writes and fused.tables.fill \
+        and fused.tables.merge
+    pairs = []
+    prepare_pair = fused.backend.prepare_pair
+    fused.backend.prepare_pair = lambda *a, **kw: pairs.append(1) or prepare_pair(*a, **kw)
+    got = run_all(fused)
+    assert pairs  # the second call ran its pool and self launches as one
+    err = max((x - y).abs().max().item() for x, y in zip(got, base))
+    assert len(got) == len(base) == 4 and err <= 1e-5, err
+    with pytest.raises(ValueError, match="fusions"):
+        FlowRunner(flow, attention="triton", fusions=("nope",))

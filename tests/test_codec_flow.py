@@ -8,7 +8,7 @@ import torch
 
 from conftest import ROWS, load_ref
 from cosybatch.codec.attention import SdpaBackend, _VarlenBase
-from cosybatch.codec.flow_runner import FlowJob, FlowRunner
+from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner
 from cosybatch.hops import Hop, HopSchedule, plan_segment
 from cosybatch.codec.packing import RowSpec, SubSeqs, pack, subsequences, varlen_offsets
 from cosybatch.prompt import PromptFeatures
@@ -168,10 +168,12 @@ def test_each_row_alone_matches_official(flow, reference_dir, row):
     assert runner.cache.used_frames() == 0  # every segment ended with its final hop
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "loopvarlen"])
+@pytest.mark.parametrize("backend", ["sdpa", "loopvarlen", "fused"])
 def test_all_rows_packed_match_official(flow, reference_dir, backend):
-    """Per round, one call holds hop i of every streaming row plus a whole-response job."""
-    runner = FlowRunner(flow)
+    """Per round, one call holds hop i of every streaming row plus a whole-response job.
+    ``fused``: the fused layer's wiring (design.md D26) with its eager twins (the chained residual
+    + LayerNorm, the rotary + K/V copies; the GELU epilogue is CUDA's, the eager pair here)."""
+    runner = FlowRunner(flow, fusions=FUSIONS if backend == "fused" else None)
     if backend == "loopvarlen":
         runner.backend = _LoopVarlen()
     streams, fulls = [], []

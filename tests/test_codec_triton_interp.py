@@ -87,3 +87,40 @@ def test_gated_residual_ln_kernel_matches_addcmul_then_layer_norm():
     assert (got_x - want_x).abs().max() <= 1e-5
     # the LayerNorm reads the updated residual, not the old one
     assert (K.gated_residual_ln(h, gate * 0, y, scale1, shift, 1e-6)[1] - want_x).abs().max() > 1e-2
+
+
+def test_rotary_kv_kernel_rotates_and_writes_the_arena_rows():
+    """The rotary + K/V arena writes against the eager rotary and two index_copy_: the rotary is
+    the same float32 multiply-add (1e-6), the copies exact; rows not written stay untouched."""
+    from cosybatch.codec.dit_step import rotary_qk_kv_
+
+    g = torch.Generator().manual_seed(4)
+    n, heads, dh, rot = 7, 3, 16, 8  # inner 48: a masked tail in a 64-wide block
+    inner = heads * dh
+    qkv = torch.randn(n, 3, inner, generator=g)
+    freqs = torch.arange(n, dtype=torch.float32)[:, None] * torch.rand(rot // 2, generator=g).repeat_interleave(2)
+    cos, sin = rotary_tables(freqs)
+    rows = torch.tensor([5, 0, 11, 3, 12, 7, 12])  # the dump row (12) written twice, as padding does
+    arena = torch.randn(2, 13, heads, dh, generator=g)
+    a, b = qkv.clone(), qkv.clone()
+    ka, va = arena[0].clone(), arena[1].clone()
+    kb, vb = arena[0].clone(), arena[1].clone()
+    rotary_qk_kv_(a, cos, sin, ka, va, rows)
+    K.rotary_qk_kv_(b, cos, sin, kb, vb, rows)
+    assert (a - b).abs().max() <= 1e-6 and torch.equal(b[:, 2], qkv[:, 2]) and torch.equal(b[:, :2, rot:], qkv[:, :2, rot:])
+    assert (ka - kb).abs().max() <= 1e-6 and torch.equal(va, vb)
+    untouched = [r for r in range(13) if r not in rows.tolist()]
+    assert torch.equal(kb[untouched], arena[0, untouched]) and torch.equal(vb[untouched], arena[1, untouched])
+    once = [0, 1, 2, 3, 5]  # tokens whose row no other token writes
+    assert torch.equal(kb[rows[once]], b[once, 1].unflatten(-1, (heads, dh)))  # the rotated k, as q/k/v hold it
+    with pytest.raises(ValueError, match="layout"):
+        K.rotary_qk_kv_(b, cos, sin, kb.to(torch.float64), vb, rows)
+
+
+def test_gated_residual_ln_without_the_residual_store():
+    g = torch.Generator().manual_seed(5)
+    h, y = torch.randn(2, 5, 40, generator=g).unbind(0)
+    gate, scale1, shift = torch.randn(3, 40, generator=g).unbind(0)
+    want = K.gated_residual_ln(h, gate, y, scale1, shift, 1e-6)[1]
+    none, got = K.gated_residual_ln(h, gate, y, scale1, shift, 1e-6, keep_h=False)
+    assert none is None and torch.equal(got, want)

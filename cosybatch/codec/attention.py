@@ -179,14 +179,47 @@ class TritonBackend:
         t = self._k.prepare_tiles(seqs, n_tokens, device, self.block_m, self.merge, n_tiles)
         return LaunchMeta(t, mq, mk, real if n_seqs is None else n_seqs, kernel=self.name)
 
-    def layer_keys(self, meta: LaunchMeta, bases: torch.Tensor) -> torch.Tensor:
-        """[layers, tiles] int32 key starts: each tile's own plus each layer's offset."""
-        return meta.tensors["k_start"][None, :] + bases.to(torch.int32)[:, None]
+    def prepare_pair(self, first: SubSeqs, second: SubSeqs, n_tokens: int, device, first_sizes: tuple = (None,) * 3,
+                     second_sizes: tuple = (None,) * 3) -> LaunchMeta:
+        """Two launches over disjoint tokens as one (``run(..., k2=, v2=)``): ``first``'s keys are
+        read from ``run``'s k/v at key starts a layer offset moves (the pool launch, from the
+        arena), ``second``'s from ``k2``/``v2`` at their own starts (the self launch, this call's
+        keys). ``*_sizes``: each launch's (n_seqs, max_q, max_k) bucket bounds, as ``prepare``."""
+        parts = []
+        for seqs, (n_seqs, max_q, _) in ((first, first_sizes), (second, second_sizes)):
+            mq = max(1, seqs.max_q) if max_q is None else max_q
+            if n_seqs is not None and (int((seqs.q_len > 0).sum()) > n_seqs or seqs.max_q > mq):
+                raise ValueError("sub-sequences exceed the launch's bucket")
+            parts.append(None if n_seqs is None else self._k.max_tiles(n_seqs, mq, n_tokens, self.block_m))
+        n_tiles = None if None in parts else sum(parts)
+        t = self._k.prepare_tile_pair(first, second, n_tokens, device, self.block_m, self.merge, n_tiles)
+        return LaunchMeta(t, max(first.max_q, second.max_q), max(first.max_k, second.max_k), len(first) + len(second),
+                          kernel=self.name + "-pair")
 
-    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None) -> torch.Tensor:
+    def layer_keys(self, meta: LaunchMeta, bases: torch.Tensor) -> torch.Tensor:
+        """[layers, tiles] int32 key starts: each tile's own plus each layer's offset (a pair's
+        second launch: its own only)."""
         t = meta.tensors
+        if "shift" in t:
+            return t["k_start"][None, :] + bases.to(torch.int32)[:, None] * t["shift"][None, :]
+        return t["k_start"][None, :] + bases.to(torch.int32)[:, None]
+
+    # ``run`` can write into a shared output and zero-fill in the same launch (``run(..., out, fill)``)
+    fills = True
+
+    def run(self, q, k, v, meta: LaunchMeta, keys: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            fill: tuple[LaunchMeta, ...] | None = None, k2: torch.Tensor | None = None,
+            v2: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: written at this launch's tokens only; ``fill``: launches (this one among them)
+        whose tokens without any key become zeros in this launch (``chunk_attention``'s fill);
+        ``k2``, ``v2``: the second launch's keys of a ``prepare_pair`` launch."""
+        t = meta.tensors
+        tables = None if fill is None else tuple(m.tensors["k_len"] for m in fill)
+        if ("src" in t) != (k2 is not None):
+            raise ValueError("a prepare_pair launch runs with k2 and v2, and only it")
         return self._k.chunk_attention(q, k, v, t["tiles"], t["k_start"] if keys is None else keys, t["k_len"],
-                                       self.block_m, self.block_n, self.num_warps, self.num_stages)
+                                       self.block_m, self.block_n, self.num_warps, self.num_stages, out=out,
+                                       fill=tables, k2=k2, v2=v2, src=t.get("src"))
 
 
 def varlen_available(device) -> bool:

@@ -41,12 +41,32 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     qk.copy_(torch.addcmul(xr * cos[:, None], swapped, sin_signed[:, None]))
 
 
-def block_pre(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: int, rotary_=rotary_qk_):
+def rotary_qk_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_dst: torch.Tensor,
+                  v_dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rotary_qk_``, then each token's (rotated) k and its v copied to rows ``rows`` [N] of the
+    K/V arenas ``k_dst``, ``v_dst`` [M, H, Dh]: the eager twin of ``triton_kernels.rotary_qk_kv_``."""
+    rotary_qk_(qkv, cos, sin_signed)
+    _, k, v = qkv.unflatten(-1, (k_dst.shape[1], -1)).unbind(1)
+    k_dst.index_copy_(0, rows, k)
+    v_dst.index_copy_(0, rows, v)
+
+
+def block_pre(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: int, rotary_=rotary_qk_,
+              rotary_kv_=rotary_qk_kv_, kv=None):
     """Modulated pre-norm, fused q/k/v and the head-0 rotary: h [N, D] -> q, k, v [N, H, Dh]
     (strided views of one [N, 3, H, Dh] buffer; ``scale1`` is the precomputed 1 + scale)."""
-    x = _modulated_ln(h, scale1, shift)
+    return block_qkv(_modulated_ln(h, scale1, shift), wqkv, bqkv, cos, sin_signed, heads, rotary_, rotary_kv_, kv)
+
+
+def block_qkv(x, wqkv, bqkv, cos, sin_signed, heads: int, rotary_=rotary_qk_, rotary_kv_=rotary_qk_kv_, kv=None):
+    """``block_pre`` after its LayerNorm: x [N, D] (already modulated-normalized, e.g. by the
+    previous block's ``residual_ln``) -> q, k, v. ``kv`` = (k arena, v arena, rows): the rotary is
+    then ``rotary_kv_``, which also writes each token's k and v to its arena row."""
     qkv = F.linear(x, wqkv, bqkv).unflatten(-1, (3, -1))  # [N, 3, inner]
-    rotary_(qkv, cos, sin_signed)
+    if kv is None:
+        rotary_(qkv, cos, sin_signed)
+    else:
+        rotary_kv_(qkv, cos, sin_signed, *kv)
     q, k, v = qkv.unflatten(-1, (heads, -1)).unbind(1)
     return q, k, v
 
@@ -71,19 +91,50 @@ def block_pre_functional(h, shift, scale1, wqkv, bqkv, cos, sin_signed, heads: i
     return q.unflatten(-1, (heads, -1)), k.unflatten(-1, (heads, -1)), v.unflatten(-1, (heads, -1))
 
 
-def block_post(h, attn, gate_msa, shift_mlp, scale1_mlp, gate_mlp, wo, bo, w1, b1, w2, b2, residual_ln=None):
+def ff1_gelu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor) -> torch.Tensor:
+    """GELU(tanh)(x @ w1.T + b1): the feed-forward's first GEMM and its activation (two kernels)."""
+    return F.gelu(F.linear(x, w1, b1), approximate="tanh")
+
+
+def ff1_gelu_epilogue(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor) -> torch.Tensor:
+    """``ff1_gelu`` on CUDA as one cuBLASLt GEMM with its bias + GELU epilogue: the tanh
+    approximation, as ``F.gelu(approximate="tanh")`` (PyTorch's CUDA fallbacks without the
+    epilogue apply that GELU too). The epilogue applies GELU to the float32 accumulator and
+    rounds once, where the eager pair rounds the GEMM's output first: outputs may differ by a
+    bf16 step. Elsewhere the eager pair: the CPU's ``_addmm_activation`` applies the exact (erf)
+    GELU, not the model's (measured: 8.9e-5 mean from tanh's, 1.1e-7 from erf's, float32)."""
+    if not x.is_cuda:
+        return ff1_gelu(x, w1, b1)
+    return torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
+
+
+def block_post(h, attn, gate_msa, shift_mlp, scale1_mlp, gate_mlp, wo, bo, w1, b1, w2, b2, residual_ln=None,
+               ff1=ff1_gelu, next_ln=None, keep_h=True):
     """Output projection, gated residual and the modulated GELU(tanh) feed-forward.
 
     ``residual_ln`` (``triton_kernels.gated_residual_ln``): the gated residual and the modulated
     LayerNorm after it in one pass (2.4x faster than the two eager kernels at 6,400 tokens on
-    the H200; the residual bit-equal, the LayerNorm's output within a bf16 step)."""
+    the H200; the residual bit-equal, the LayerNorm's output within a bf16 step).
+    ``next_ln`` = (1 + scale, shift) of the modulated LayerNorm that reads this block's output
+    (the next block's pre-norm, or the final AdaLN after the last block): the feed-forward's gated
+    residual then goes through ``residual_ln`` too, and (h, that LayerNorm's output) is returned
+    (``block_qkv`` takes the latter), so a block's own pre-norm is no kernel of its own.
+    ``keep_h=False`` (the last block): the fused kernel need not store h (None is returned)."""
     y = F.linear(attn, wo, bo)
     if residual_ln is None:
         h = torch.addcmul(h, gate_msa, y)
         x = _modulated_ln(h, scale1_mlp, shift_mlp)
     else:
         h, x = residual_ln(h, gate_msa, y, scale1_mlp, shift_mlp, LN_EPS)
-    return torch.addcmul(h, gate_mlp, F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2))
+    y = F.linear(ff1(x, w1, b1), w2, b2)
+    if next_ln is None:
+        return torch.addcmul(h, gate_mlp, y)
+    if residual_ln is None:
+        h = torch.addcmul(h, gate_mlp, y)
+        return h, _modulated_ln(h, *next_ln)
+    if keep_h:
+        return residual_ln(h, gate_mlp, y, *next_ln, LN_EPS)
+    return residual_ln(h, gate_mlp, y, *next_ln, LN_EPS, keep_h=False)
 
 
 def block_weights(dit: DiT) -> list[tuple[tuple, tuple]]:

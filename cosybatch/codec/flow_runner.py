@@ -27,7 +27,8 @@ from cosybatch.gpu.hostcopy import h2d
 from cosybatch.codec.attention import LaunchMeta, make_backend
 from cosybatch.codec.config import CodecConfig
 from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional,
-                                      block_weights, rotary_tables)
+                                      block_qkv, block_weights, ff1_gelu_epilogue, rotary_qk_, rotary_qk_kv_,
+                                      rotary_tables)
 from cosybatch.codec.flow_conditioning import JobInputs, static_inputs
 from cosybatch.codec.flow_graphs import Capture, FlowGraphs
 from cosybatch.codec.flow_step import FlowTables, StepBuffers, euler_step
@@ -38,6 +39,8 @@ from cosybatch.models.flow import CausalMaskedDiffWithDiT
 from cosybatch.prompt import PromptFeatures
 
 DEFAULT_PREFIX_BUDGET = 4 << 30
+# The fused layer's parts (``FlowRunner(fusions=...)``, design.md D26).
+FUSIONS = ("chain", "gelu", "kv", "fill", "merge")
 
 
 @dataclass(eq=False)  # holds tensors: compared by identity
@@ -92,6 +95,7 @@ class FlowRunner:
         conv_form: str | None = None,
         triton_kernels: bool = False,
         fused_ln: bool | None = None,
+        fusions: tuple[str, ...] | None = None,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
@@ -102,7 +106,14 @@ class FlowRunner:
         ``"triton"`` with ``triton_kernels`` where the DiT's width allows it, else cuDNN's
         ``"channels_last"`` on CUDA and ``"conv1d"`` elsewhere). ``fused_ln`` (CUDA; by default
         with ``triton_kernels``): each block's gated attention residual and the modulated
-        LayerNorm after it as one Triton kernel (``triton_kernels.gated_residual_ln``)."""
+        LayerNorm after it as one Triton kernel (``triton_kernels.gated_residual_ln``).
+        ``fusions`` (a subset of ``FUSIONS``; by default all of them with ``triton_kernels``, none
+        without; design.md D26): ``chain`` each block's feed-forward residual fused with the next
+        block's LayerNorm (one LayerNorm kernel per step), ``gelu`` the GELU in
+        FF1's cuBLASLt epilogue, ``kv`` the K/V arena writes in the rotary kernel, ``fill`` the
+        attention's zeros written by its own launch (no memset, no torch.where), ``merge`` a
+        call's pool and self attention launches as one (Triton attention). ``()`` is the
+        unfused path, kept as the reference; the eager twins run wherever Triton does not."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -124,17 +135,33 @@ class FlowRunner:
         if conv_form is None:
             triton_conv = triton_kernels and ConvPositionEmbed.triton_fits(self.dit)
             conv_form = ("triton" if triton_conv else "channels_last") if cuda else "conv1d"
-        pre, post = block_pre, block_post
+        fusions = set(FUSIONS if triton_kernels else ()) if fusions is None else set(fusions)
+        if not fusions <= set(FUSIONS):
+            raise ValueError(f"unknown flow fusions {sorted(fusions - set(FUSIONS))}; choose from {FUSIONS}")
+        if compile:
+            fusions = set()  # the compiled blocks take no fused parts
+        rot, rot_kv, residual_ln = rotary_qk_, rotary_qk_kv_, None
         if triton_kernels:
             from cosybatch.codec import triton_kernels
 
-            pre = functools.partial(block_pre, rotary_=triton_kernels.rotary_qk_)
+            rot, rot_kv = triton_kernels.rotary_qk_, triton_kernels.rotary_qk_kv_
             if fused_ln is not False:
-                post = functools.partial(block_post, residual_ln=triton_kernels.gated_residual_ln)
+                residual_ln = triton_kernels.gated_residual_ln
+        post_kw = {"residual_ln": residual_ln} if residual_ln is not None else {}
+        if "gelu" in fusions:
+            post_kw["ff1"] = ff1_gelu_epilogue
+        pre = functools.partial(block_pre, rotary_=rot, rotary_kv_=rot_kv)
+        post = functools.partial(block_post, **post_kw)
+        qkv = functools.partial(block_qkv, rotary_=rot, rotary_kv_=rot_kv)
         if compile:
             pre = torch.compile(block_pre_functional, dynamic=True)
             post = torch.compile(block_post, dynamic=True)
+        self.fusions = tuple(f for f in FUSIONS if f in fusions)
         self.tables = self._tables(ConvPositionEmbed(self.dit, conv_form), pre, post)
+        self.tables.qkv = qkv
+        t = self.tables
+        t.chain, t.kv_writes, t.fill, t.merge = ("chain" in fusions, "kv" in fusions, "fill" in fusions,
+                                                 "merge" in fusions)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
@@ -314,13 +341,19 @@ class FlowRunner:
         if has_pool:
             self.cache.ensure_arena()
         n_att = lay.tokens
-        pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
-        self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        merged = self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair")
+        if merged:  # one launch for both (its tile count: both bucket bounds together)
+            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
+                                             self._launch_sizes(sizes, "self"))
+            self_ = None
+        else:
+            pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
+            self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
         slots = np.where(lay.pool_slots >= 0, lay.pool_slots, self.cache.dump)
         b = StepBuffers(x=x, step=torch.zeros(1, dtype=torch.long, device=dev),
                         static=static_inputs(self.flow, jobs, lay, self.dtype, dev), valid=t(lay.conv_valid),
                         conv_of_token=t(lay.conv_of_token), cos=cos, sin=sin, pool_slots=t(slots),
-                        pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_)
+                        pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_, merged=merged)
         cached = [p for p in plans if p.q_start > p.conv_start]
         if lay.margin:
             margin = torch.zeros(self.n_steps, lay.margin, mel, device=dev, dtype=self.dtype)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.codec.attention import LaunchMeta
-from cosybatch.codec.dit_step import ConvPositionEmbed, block_post, block_pre
+from cosybatch.codec.dit_step import ConvPositionEmbed, block_post, block_pre, block_qkv
 from cosybatch.models.dit import LN_EPS
 
 
@@ -40,6 +40,21 @@ class FlowTables:
     heads: int
     pre: Callable = block_pre  # dit_step.block_pre, or a compiled twin
     post: Callable = block_post
+    # The fused layer (design.md D26), each part on its own so that each can be measured:
+    # ``chain``: every block's feed-forward residual also computes the next block's modulated
+    # LayerNorm (the last block's: the final AdaLN), through ``post(..., next_ln=...)``, and
+    # blocks start from that output through ``qkv`` (dit_step.block_qkv): one LayerNorm per step.
+    chain: bool = False
+    qkv: Callable = block_qkv
+    # ``kv_writes``: the rotary also writes each token's K/V row into the arena (``kv=`` of
+    # ``pre``/``qkv``), where the eager form is two index_copy_ per layer.
+    kv_writes: bool = False
+    # ``fill``: the attention writes one output (pool and self launches together) and its own
+    # zeros, where the eager form zero-fills each launch's output and selects with torch.where.
+    fill: bool = False
+    # ``merge`` (read when a call's buffers are made, ``StepBuffers.merged``): a call with both
+    # launches runs them as one kernel launch.
+    merge: bool = False
 
 
 @dataclass
@@ -59,6 +74,9 @@ class StepBuffers:
     self_: LaunchMeta | None
     margin_conv: torch.Tensor | None = None  # [2 * margin] long
     margin: torch.Tensor | None = None  # [steps, margin, mel] dtype: earlier trajectory at the margin frames
+    # ``pool`` is both launches as one (``prepare_pair``: the pool's keys from the arena, the
+    # self launch's from this call's k/v); ``self_`` is then None
+    merged: bool = False
     record_idx: torch.Tensor | None = None  # [records] long: tokens whose trajectory the next hop needs
     traj: torch.Tensor | None = None  # [steps, records, mel] float32, written step by step
     extra: dict = field(default_factory=dict)
@@ -91,13 +109,29 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
         bases = s * (depth * arena.slot) + torch.arange(depth, device=s.device) * arena.slot
         keys = backend.layer_keys(b.pool, bases)
         slots = b.pool_slots[None, :] + bases[:, None]
+    fm = t.final.index_select(0, s)[0]  # 1 + scale, shift of the final AdaLN
+    kv_writes = t.kv_writes and keys is not None
+    fill = t.fill and getattr(backend, "fills", False)
+    depth = len(t.blocks)
+    x = F.layer_norm(h, (h.shape[-1],), mods[0][1], mods[0][0], eps=LN_EPS) if t.chain else None
     for layer, (wpre, wpost) in enumerate(t.blocks):
         m = mods[layer]
-        q, k, v = t.pre(h, m[0], m[1], *wpre, b.cos, b.sin, t.heads)
-        o = _attend(q, k, v, b, backend, arena, None if keys is None else (keys[layer], slots[layer]))
-        h = t.post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
-    fm = t.final.index_select(0, s)[0]
-    vel = F.linear(F.layer_norm(h, (h.shape[-1],), fm[0], fm[1], eps=LN_EPS), *t.proj_out).float()
+        kw = {"kv": (arena.k, arena.v, slots[layer])} if kv_writes else {}
+        if t.chain:
+            q, k, v = t.qkv(x, *wpre, b.cos, b.sin, t.heads, **kw)
+        else:
+            q, k, v = t.pre(h, m[0], m[1], *wpre, b.cos, b.sin, t.heads, **kw)
+        o = _attend(q, k, v, b, backend, arena, None if keys is None else (keys[layer], slots[layer]),
+                    written=kv_writes, fill=fill)
+        if t.chain:
+            last = layer + 1 == depth
+            nxt = (fm[0], fm[1]) if last else (mods[layer + 1][1], mods[layer + 1][0])
+            h, x = t.post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost, next_ln=nxt, keep_h=not last)
+        else:
+            h = t.post(h, o.flatten(-2), m[2], m[3], m[4], m[5], *wpost)
+    if not t.chain:
+        x = F.layer_norm(h, (h.shape[-1],), fm[0], fm[1], eps=LN_EPS)
+    vel = F.linear(x, *t.proj_out).float()
     if b.record_idx is not None:
         b.traj.index_copy_(0, s, b.x.index_select(0, b.record_idx)[None])
     v_cond, v_uncond = vel[:stride], vel[stride:]
@@ -105,14 +139,35 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
     b.step.add_(1)
 
 
-def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys):
+def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys, written: bool = False, fill: bool = False):
+    """The layer's attention output [N, H, Dh]. ``written``: K/V already in the arena (the
+    rotary wrote them); ``fill``: one output for both launches, zeros written by the last."""
+    if b.merged:  # one launch: cached rows' keys from the arena, the others' from this call's k/v
+        keys, idx = pool_keys
+        if not written:
+            _wide(arena.k).index_copy_(0, idx, _wide(k))
+            _wide(arena.v).index_copy_(0, idx, _wide(v))
+        return backend.run(q, arena.k, arena.v, b.pool, keys, fill=(b.pool,) if fill else None, k2=k, v2=v)
+    if fill:
+        out = q.new_empty(q.shape)
+        launches = tuple(m for m in (b.pool, b.self_) if m is not None)
+        if b.pool is not None:
+            keys, idx = pool_keys
+            if not written:
+                _wide(arena.k).index_copy_(0, idx, _wide(k))
+                _wide(arena.v).index_copy_(0, idx, _wide(v))
+            backend.run(q, arena.k, arena.v, b.pool, keys, out=out, fill=None if b.self_ is not None else launches)
+        if b.self_ is not None:  # pool and self tokens are disjoint: each launch writes its own
+            backend.run(q, k, v, b.self_, out=out, fill=launches)
+        return out
     o_pool = o_self = None
     if b.pool is not None:
         # Every token writes its K/V (non-pool tokens into the dump frame), then the pool
         # launch reads each cached row's keys in place from this (step, layer) slot.
         keys, idx = pool_keys
-        _wide(arena.k).index_copy_(0, idx, _wide(k))
-        _wide(arena.v).index_copy_(0, idx, _wide(v))
+        if not written:
+            _wide(arena.k).index_copy_(0, idx, _wide(k))
+            _wide(arena.v).index_copy_(0, idx, _wide(v))
         o_pool = backend.run(q, arena.k, arena.v, b.pool, keys)
     if b.self_ is not None:
         o_self = backend.run(q, k, v, b.self_)

@@ -19,7 +19,8 @@ moves by each layer's arena offset (the same contract as the varlen backends).
 For CUDA graphs the tile table is padded to a count the graph bucket fixes (tiles with no rows
 exit at once, and come last so that they never delay real work); real tiles are ordered by
 decreasing key count so that the longest programs start first. Tokens outside the launch's
-sub-sequences are zeros (the output starts zeroed: one memset, a few microseconds).
+sub-sequences are zeros: the output starts zeroed (one memset, a few microseconds), or, with
+``fill``, extra programs of the same launch write the zeros (no memset kernel).
 """
 
 from __future__ import annotations
@@ -67,13 +68,24 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start, cols, klim, kmax, sk, s
     return acc, m_new, l_i
 
 
-@triton.jit
-def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr,
-                       sq, sqh, sk, skh, sv, svh, so, soh, qk_scale,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+@triton.jit(do_not_specialize=["n_tiles", "n_tok"])
+def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr, fill_a_ptr, fill_b_ptr,
+                       k2_ptr, v2_ptr, src_ptr, sq, sqh, sk, skh, sv, svh, sk2, skh2, sv2, svh2, so, soh, qk_scale,
+                       n_tiles, n_tok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IEEE: tl.constexpr, INTERPRETED: tl.constexpr, FILL: tl.constexpr, TWO: tl.constexpr):
     h = tl.program_id(0)
     t = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    if FILL > 0:
+        if t >= n_tiles:  # a zero-fill program: BLOCK_M tokens no launch gives a key are zeros
+            tok = ((t - n_tiles) * BLOCK_M + rm).to(tl.int64)
+            empty = (tok < n_tok) & (tl.load(fill_a_ptr + tok, mask=tok < n_tok, other=1) == 0)
+            if FILL > 1:
+                empty = empty & (tl.load(fill_b_ptr + tok, mask=tok < n_tok, other=1) == 0)
+            zero = tl.zeros([BLOCK_M, D], dtype=o_ptr.dtype.element_ty)
+            tl.store(o_ptr + tok[:, None] * so + h * soh + rd[None, :], zero, mask=empty[:, None])
+            return
     rows = tl.load(tiles_ptr + t * 4 + 1)
     if rows == 0:  # padding of a graph bucket
         return
@@ -81,8 +93,14 @@ def _chunk_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, keys_ptr, klen_ptr
     kmin = tl.load(tiles_ptr + t * 4 + 2)
     kmax = tl.load(tiles_ptr + t * 4 + 3)
     k0 = tl.load(keys_ptr + t).to(tl.int64)  # int64: arena slots reach past 2^31 elements
-    rm = tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, D)
+    if TWO:  # tiles of two launches in one: this tile's keys from the second K/V where src says so
+        second = tl.load(src_ptr + t) != 0
+        k_ptr = tl.where(second, k2_ptr, k_ptr)
+        v_ptr = tl.where(second, v2_ptr, v_ptr)
+        sk = tl.where(second, sk2, sk)
+        skh = tl.where(second, skh2, skh)
+        sv = tl.where(second, sv2, sv)
+        svh = tl.where(second, svh2, svh)
     cols = tl.arange(0, BLOCK_N)
     live = rm < rows
     tok = (q0 + rm).to(tl.int64)
@@ -162,6 +180,30 @@ def key_counts(seqs: SubSeqs, n_tokens: int) -> np.ndarray:
     return out
 
 
+def prepare_tile_pair(first: SubSeqs, second: SubSeqs, n_tokens: int, device, block_m: int, merge: bool,
+                      n_tiles: int | None = None):
+    """``prepare_tiles`` for two launches over disjoint tokens run as one (``chunk_attention``'s
+    ``k2``/``v2``/``src``): their tiles together, longest first, ``src`` [T] int32 1 for the
+    second's (keys from the second K/V), ``shift`` [T] int32 1 for the first's (the tiles a layer
+    offset moves, ``TritonBackend.layer_keys``), one ``k_len`` for both."""
+    (t1, s1), (t2, s2) = tile_table(first, block_m, merge), tile_table(second, block_m, merge)
+    t, st = np.concatenate((t1, t2)), np.concatenate((s1, s2))
+    src = np.concatenate((np.zeros(len(t1), np.int32), np.ones(len(t2), np.int32)))
+    by_work = np.argsort(-t[:, 3], kind="stable")
+    t, st, src = t[by_work], st[by_work], src[by_work]
+    n = len(t) if n_tiles is None else n_tiles
+    if len(t) > n:
+        raise ValueError(f"{len(t)} query tiles do not fit the launch's {n}")
+    tiles = np.zeros((max(n, 1), 4), dtype=np.int32)
+    tiles[: len(t)] = t
+    starts, srcs = np.zeros(max(n, 1), dtype=np.int32), np.zeros(max(n, 1), dtype=np.int32)
+    starts[: len(st)], srcs[: len(src)] = st, src
+    klen = key_counts(first, n_tokens) + key_counts(second, n_tokens)
+    dev = lambda a: h2d(torch.from_numpy(a), device=device)  # noqa: E731
+    return {"tiles": dev(tiles), "k_start": dev(starts), "k_len": dev(klen), "src": dev(srcs),
+            "shift": dev(np.ascontiguousarray(1 - srcs))}
+
+
 def prepare_tiles(seqs: SubSeqs, n_tokens: int, device, block_m: int, merge: bool, n_tiles: int | None = None):
     """Device tensors of one launch: ``tiles`` [T, 4] int32, ``k_start`` [T] int32, ``k_len``
     [n_tokens] int32; T = ``n_tiles`` (padded with empty tiles) or the real count."""
@@ -179,19 +221,44 @@ def prepare_tiles(seqs: SubSeqs, n_tokens: int, device, block_m: int, merge: boo
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor, k_start: torch.Tensor,
                     k_len: torch.Tensor, block_m: int, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, out: torch.Tensor | None = None,
+                    fill: tuple[torch.Tensor, ...] | None = None, k2: torch.Tensor | None = None,
+                    v2: torch.Tensor | None = None, src: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [M, H, D] (any token and head strides, unit channel stride) -> [N, H, D]
-    in q's dtype: the attention of every tile's rows over its keys, zeros elsewhere."""
+    in q's dtype: the attention of every tile's rows over its keys, zeros elsewhere.
+
+    ``out`` [N, H, D] (unit channel stride): written in place, only at the tiles' rows (so two
+    launches over disjoint tokens can share it) and at the zeros of ``fill``. ``fill``: one or two
+    per-token key-count tables ([N] ints, e.g. this launch's and another's ``k_len``); the tokens
+    with no key in any of them are written as zeros by ``cdiv(N, block_m)`` extra programs of the
+    same launch, which replaces the zero fill of a fresh output (a kernel of its own). Without
+    ``out`` and ``fill`` the output is zero-filled first. ``src`` [T] (with ``k2``, ``v2``): the
+    tiles where it is non-zero read their keys from ``k2``/``v2`` (two launches in one,
+    ``prepare_tile_pair``)."""
     n, heads, d = q.shape
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or d & (d - 1) or d < 16:
+    if (src is None) != (k2 is None) or (k2 is None) != (v2 is None):
+        raise ValueError("chunk_attention: src, k2 and v2 go together")
+    k2, v2 = (k, v) if k2 is None else (k2, v2)
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or k2.stride(2) != 1 or v2.stride(2) != 1 \
+            or d & (d - 1) or d < 16:
         raise ValueError("chunk_attention: unit channel stride and a power-of-two head size >= 16 needed")
-    out = torch.zeros(n, heads, d, device=q.device, dtype=q.dtype)
+    if fill is not None and not 1 <= len(fill) <= 2:
+        raise ValueError("chunk_attention: fill takes one or two key-count tables")
+    if out is None:
+        out = (torch.empty if fill else torch.zeros)(n, heads, d, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.stride(2) != 1 or out.dtype != q.dtype:
+        raise ValueError("chunk_attention: out must be shaped and typed as q, with unit channel stride")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    fills = tuple(fill or ())
     if n:
-        grid = (heads, tiles.shape[0])
-        _chunk_attn_kernel[grid](q, k, v, out, tiles, k_start, k_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                 v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-                                 D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                                 INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
-                                 num_warps=num_warps, num_stages=num_stages)
+        n_tiles = tiles.shape[0]
+        grid = (heads, n_tiles + (triton.cdiv(n, block_m) if fills else 0))
+        fa = fills[0] if fills else k_len
+        fb = fills[-1] if fills else k_len
+        _chunk_attn_kernel[grid](q, k, v, out, tiles, k_start, k_len, fa, fb, k2, v2, k_start if src is None else src,
+                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), out.stride(0), out.stride(1),
+                                 scale * LOG2E, n_tiles, n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 IEEE=q.dtype == torch.float32, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                 FILL=len(fills), TWO=src is not None, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -1,7 +1,8 @@
 """The codec's Triton kernels (imported only on CUDA): HiFT's Snake + causal pad (with the
 bias of the conv before it) and its conv bias + residual add (``cosybatch.codec.snake``), the
-flow's head-0 rotary in place (``dit_step.block_pre``) and its grouped causal position convs
-(``dit_step.ConvPositionEmbed``).
+flow's head-0 rotary in place (``dit_step.block_pre``), the same with the K/V arena writes
+(``rotary_qk_kv_``), the gated residual + modulated LayerNorm (``gated_residual_ln``) and its
+grouped causal position convs (``dit_step.ConvPositionEmbed``).
 
 The element-wise kernels evaluate their eager twins' float32 operations in the same order
 (multiply-adds only where the eager kernel has one), so that the GPU tests can hold them to the
@@ -119,6 +120,61 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
                              ROT=triton.next_power_of_2(rot), num_warps=1, enable_fp_fusion=False)
 
 
+@triton.jit
+def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, rows_ptr, n, row_stride, inner, dst_stride, cs_stride,
+                      rot, ROT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    tok = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = tok < n
+    base = qkv_ptr + tok.to(tl.int64)[:, None] * row_stride
+    ty = qkv_ptr.dtype.element_ty
+    # q's head 0, as _rotary_kernel (the partner loaded before the row is stored)
+    c = tl.arange(0, ROT)[None, :]
+    r = live[:, None] & (c < rot)
+    cs = tl.load(cos_ptr + tok[:, None] * cs_stride + c, mask=r, other=0.0)
+    sn = tl.load(sin_ptr + tok[:, None] * cs_stride + c, mask=r, other=0.0)
+    x = tl.load(base + c, mask=r, other=0.0).to(tl.float32)
+    y = tl.load(base + (c ^ 1), mask=r, other=0.0).to(tl.float32)
+    tl.store(base + c, tl.fma(y, sn, x * cs).to(ty), mask=r)
+    # k: its whole row is read once (it is copied to the arena); the pair partners of its head-0
+    # channels come from that register copy (split into pairs, swapped, joined back), so no
+    # channel is re-read from memory after it may have been stored.
+    cb = tl.arange(0, BLOCK)[None, :]
+    m = live[:, None] & (cb < inner)
+    rb = live[:, None] & (cb < rot)
+    k = tl.load(base + inner + cb, mask=m, other=0.0)
+    kx = k.to(tl.float32)
+    a, b = tl.split(tl.reshape(kx, (ROWS, BLOCK // 2, 2)))
+    ky = tl.reshape(tl.join(b, a), (ROWS, BLOCK))
+    csb = tl.load(cos_ptr + tok[:, None] * cs_stride + cb, mask=rb, other=0.0)
+    snb = tl.load(sin_ptr + tok[:, None] * cs_stride + cb, mask=rb, other=0.0)
+    k = tl.where(rb, tl.fma(ky, snb, kx * csb).to(ty), k)
+    tl.store(base + inner + cb, k, mask=rb)  # the self launch reads k from qkv
+    dst = tl.load(rows_ptr + tok, mask=live, other=0).to(tl.int64)[:, None] * dst_stride
+    tl.store(k_ptr + dst + cb, k, mask=m)
+    tl.store(v_ptr + dst + cb, tl.load(base + 2 * inner + cb, mask=m, other=0.0), mask=m)
+
+
+def rotary_qk_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_dst: torch.Tensor,
+                  v_dst: torch.Tensor, rows: torch.Tensor, rows_per_program: int | None = None) -> None:
+    """``rotary_qk_`` (in place on qkv [N, 3, inner]), and each token's rotated k and its v
+    written to row ``rows[n]`` of the K/V arenas ``k_dst``, ``v_dst`` [M, H, Dh]: one kernel
+    where the eager form is the rotary and two ``index_copy_`` (the same values stored).
+    ``rows_per_program``: tokens per program (by default 1 on a GPU, as the fused LayerNorm; 16
+    in the CPU interpreter, whose cost is per program)."""
+    n, _, inner = qkv.shape
+    rot = cos.shape[-1]
+    if qkv.stride(2) != 1 or qkv.stride(1) != inner or cos.stride(-1) != 1 or sin_signed.stride() != cos.stride() \
+            or not (k_dst.is_contiguous() and v_dst.is_contiguous()) or k_dst[0].numel() != inner \
+            or k_dst.shape != v_dst.shape or k_dst.dtype != qkv.dtype or v_dst.dtype != qkv.dtype or rot % 2:
+        raise ValueError("rotary_qk_kv_: unexpected layout")
+    per = rows_per_program or (16 if os.environ.get("TRITON_INTERPRET") == "1" else 1)
+    if n:
+        _rotary_kv_kernel[(triton.cdiv(n, per),)](qkv, cos, sin_signed, k_dst, v_dst, rows, n, qkv.stride(0), inner,
+                                                  inner, cos.stride(0), rot, ROT=triton.next_power_of_2(rot),
+                                                  BLOCK=max(2, triton.next_power_of_2(inner)), ROWS=per, num_warps=4,
+                                                  enable_fp_fusion=False)
+
+
 @triton.jit(do_not_specialize=["L"])
 def _conv_mish_kernel(x_ptr, w_ptr, b_ptr, valid_ptr, res_ptr, y_ptr, L, D, K: tl.constexpr, CG: tl.constexpr,
                       BLOCK_T: tl.constexpr, MASKED: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr):
@@ -177,7 +233,7 @@ def causal_conv_mish(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, valid
 
 @triton.jit
 def _gated_residual_ln_kernel(h_ptr, y_ptr, gate_ptr, w_ptr, b_ptr, h_out_ptr, x_out_ptr, D, eps,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, STORE_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < D
@@ -186,7 +242,8 @@ def _gated_residual_ln_kernel(h_ptr, y_ptr, gate_ptr, w_ptr, b_ptr, h_out_ptr, x
     g = tl.load(gate_ptr + c, mask=m, other=0.0).to(tl.float32)
     # addcmul in float32, rounded to the activations' dtype: LayerNorm reads the rounded residual
     hn = (h + g * y).to(h_out_ptr.dtype.element_ty)
-    tl.store(h_out_ptr + row * D + c, hn, mask=m)
+    if STORE_H:
+        tl.store(h_out_ptr + row * D + c, hn, mask=m)
     x = hn.to(tl.float32)
     mean = tl.sum(x, 0) / D
     d = tl.where(m, x - mean, 0.0)
@@ -197,15 +254,17 @@ def _gated_residual_ln_kernel(h_ptr, y_ptr, gate_ptr, w_ptr, b_ptr, h_out_ptr, x
 
 
 def gated_residual_ln(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, scale1: torch.Tensor,
-                      shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      shift: torch.Tensor, eps: float, keep_h: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(h + gate * y, LayerNorm(h + gate * y) * scale1 + shift) for h, y [N, D] and gate, scale1,
     shift [D]: the DiT's gated residual and the next modulated LayerNorm in one pass, where the
-    eager form is addcmul then layer_norm (the residual written, then read back)."""
+    eager form is addcmul then layer_norm (the residual written, then read back). ``keep_h=False``:
+    the residual is not stored (None returned for it), where only the LayerNorm's output is read
+    (the last block's, before the final projection)."""
     if not (h.is_contiguous() and y.is_contiguous()) or h.shape != y.shape:
         raise ValueError("gated_residual_ln: unexpected layout")
     n, d = h.shape
-    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    h_out, x_out = torch.empty_like(h) if keep_h else None, torch.empty_like(h)
     if n:
-        _gated_residual_ln_kernel[(n,)](h, y, gate, scale1, shift, h_out, x_out, d, eps,
-                                        BLOCK=triton.next_power_of_2(d), num_warps=4)
+        _gated_residual_ln_kernel[(n,)](h, y, gate, scale1, shift, h_out if keep_h else x_out, x_out, d, eps,
+                                        BLOCK=triton.next_power_of_2(d), STORE_H=keep_h, num_warps=4)
     return h_out, x_out
