@@ -242,14 +242,13 @@ def test_a_failed_lazy_prefill_capture_is_not_tried_again():
 
 # ---------------------------------------------------------------- on a GPU -----------------
 @pytest.mark.gpu
-def test_models_load_straight_onto_the_gpu_equal_to_the_cpu_load(fixtures_dir):
+def test_models_load_straight_onto_the_gpu_equal_to_the_cpu_load(model_dir):
     """``load_models(device="cuda")`` (weights assigned from the file) gives every tensor of
     the CPU load, bit for bit, in the same dtype, on the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from cosybatch.checkpoint import load_models
 
-    model_dir = fixtures_dir / "cv3-tiny" / "model"
     cpu, gpu = load_models(model_dir), load_models(model_dir, device="cuda")
     for name in ("llm", "flow", "hift"):
         a, b = getattr(cpu, name), getattr(gpu, name)
