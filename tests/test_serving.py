@@ -11,11 +11,17 @@ from parity import assert_wave_close
 pytestmark = pytest.mark.numeric
 
 
-# The last case: deadline batching and the AR step beside the codec (design.md D22) are
-# accepted on a CPU, where the AR step stays serial, and change no result.
-@pytest.mark.parametrize("mode,timeline", [("full", []), ("streaming", []),
-                                           ("streaming", ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"])])
-def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, timeline):
+BESIDE = ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"]
+
+
+# The last cases: deadline batching and the AR step beside the codec (design.md D22) are
+# accepted on a CPU, where the AR step stays serial, and change no result; and the host's side
+# of beside forced on (AR steps collected and launched between the codec's slices, at their own
+# pace), which a CPU can run without streams.
+@pytest.mark.parametrize("mode,timeline,host_beside", [("full", [], False), ("streaming", [], False),
+                                                       ("streaming", BESIDE, False), ("streaming", BESIDE, True),
+                                                       ("full", BESIDE, True)])
+def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, timeline, host_beside):
     from cosybatch.profiles import load_profile
     from cosybatch.synthesizers import fast_pipeline
 
@@ -25,6 +31,11 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
                            + timeline)
     pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
     assert pipe._ar_stream is None  # serial on a CPU, whatever the profile asks
+    if host_beside:
+        pipe._beside = True
+        turns = []
+        ar_turn = pipe._ar_turn
+        pipe._ar_turn = lambda: (turns.append(pipe.engine.in_flight), ar_turn())
     assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline else None)
     rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
@@ -32,6 +43,8 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     stages = pipe.timeline()["row_stages_ms"]
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())
+    if host_beside:  # AR steps were collected between codec slices
+        assert True in turns, turns
     # every row's life is accounted, stage by stage (times run forward)
     assert set(stages) == {"prompt", "first_tokens", "first_audio", "after_tokens", "decoding"}, stages
     assert all(v["p50"] >= 0 and v["mean"] >= 0 for v in stages.values()), stages

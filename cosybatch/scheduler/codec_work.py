@@ -118,10 +118,14 @@ class CodecWork:
     # ------------------------------------------------------------------ one iteration
 
     def run(self, now: float, ar_active: bool, deadline: Callable[[str], float], ar_rows: int = 0,
-            ar_deadline: float = policy.INF) -> bool:
+            ar_deadline: float = policy.INF, between: Callable[[], None] | None = None) -> bool:
         """Queue this iteration's codec slices; True if any was queued (``ar_rows``: rows the
-        AR step in flight serves; ``ar_deadline``: the earliest deadline among them). The halves of a failed call run first, each alone, before
-        the policy starts anything new."""
+        AR step in flight serves; ``ar_deadline``: the earliest deadline among them). The halves
+        of a failed call run first, each alone, before the policy starts anything new.
+        ``between`` is called between slices (the AR step's turn when it runs on its own stream:
+        the host's codec work then does not hold a finished AR step's successor back); it may
+        add hops and fail rows, so what is started after it is looked up again."""
+        between = between or (lambda: None)
         did = False
         if self._retry_hift:
             self._hift_batch(self._retry_hift.popleft())
@@ -139,16 +143,21 @@ class CodecWork:
         if plan.hift:
             self._run_hift(set(plan.hift))
             did = True
+            between()
         if plan.flow_steps:
             self._steps(plan.flow_steps, now)
             did = True
+            between()
         if self.active is None and self._retry_flow:
             self._start(self._retry_flow.popleft(), 1, now)
             did = True
         elif plan.start and self.active is None:
-            by_seg = {h.job.segment_id: h for h in ready}
-            self._start([by_seg[s] for s in plan.start], plan.start_steps, now)
-            did = True
+            # still at the head of its queue: ``between`` may have dropped a failed row's hops
+            by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
+            hops = [by_seg[s] for s in plan.start if s in by_seg]
+            if hops:
+                self._start(hops, plan.start_steps, now)
+                did = True
         return did
 
     def _in_active(self, hop: QueuedHop) -> bool:

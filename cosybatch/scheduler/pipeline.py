@@ -97,6 +97,9 @@ class FastPipeline:
         with startup.phase("AR engine"):
             self.engine = LLMEngine(models.llm, settings.engine)
         self._ar_stream = self._make_ar_stream(settings.ar_stream)
+        # The host's side of beside: the AR steps go at their own pace, interleaved with the
+        # codec's slices (the streams are the device's side).
+        self._beside = self._ar_stream is not None
         self.acct = Accounting(device)
         self.util = KernelActiveSampler(device)  # what the slices cannot see: a GPU waiting inside them
         self._audio_samples = 0  # audio handed out, for the GPU budget per audio second
@@ -249,12 +252,17 @@ class FastPipeline:
         # slices then share the iteration with it and keep to the budget.
         ar = self.engine.in_flight
         if self._codec_turn():
+            between = self._ar_turn if self._beside else None
             progressed |= self.codec.run(time.perf_counter(), ar, self._deadline, self.engine.decoding_rows,
-                                         self._ar_deadline())
+                                         self._ar_deadline(), between)
             self._bound_queue()
         if self.engine.in_flight:
             self._collect_ar()  # waits for the AR step: the loop never spins, so no idle wait after it
             progressed = True
+            if self._beside:
+                # Beside, the next step goes now: it runs while the host hands over audio and
+                # events and admits rows (a new row's prefill waits for it, one step at most).
+                self._launch_ar()
         progressed |= self._take_audio(wait=False)
         self.acct.poll()
         self.acct.iteration((time.perf_counter() - t0) * 1e3)
@@ -276,6 +284,16 @@ class FastPipeline:
             with self.acct.waiting():
                 self._marks.popleft().synchronize()
 
+    def _ar_turn(self) -> None:
+        """Beside, between the codec's slices: an AR step that has finished is collected and the
+        next one launched (never waits), so the AR stream does not stand idle while the host
+        queues codec work (starting a large solve takes it milliseconds)."""
+        if self.engine.in_flight:
+            if not self.engine.step_done():
+                return
+            self._collect_ar()
+        self._launch_ar()
+
     def _codec_turn(self) -> bool:
         """Whether this iteration queues codec slices. Serial: always (the AR step and the codec
         share one stream, and the budget keeps the AR cadence). Beside: only while the codec's
@@ -283,7 +301,7 @@ class FastPipeline:
         at their own pace instead of one per codec slice: tied to the codec, an AR step waited
         for a whole flow step each iteration (deadline batching makes them 5-8 ms), and a row's
         first 28 tokens for 28 of them. With no AR step in flight, the host waits for the codec."""
-        if self._ar_stream is None:
+        if not self._beside:
             return True
         while self._marks and self._marks[0].query():
             self._marks.popleft()
