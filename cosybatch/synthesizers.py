@@ -7,6 +7,8 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 
 from __future__ import annotations
 
+import importlib
+
 import contextlib
 import logging
 import platform
@@ -121,9 +123,9 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     # This package's modules the loads below need are imported now, before their threads start:
     # each thread then imports only third-party packages of its own (onnx; inflect, wetext), so
     # no two threads wait on each other's imports (a cycle there hands one a half-done module).
-    import cosybatch.checkpoint.onnx_file, cosybatch.checkpoint.onnx_weights  # noqa: F401, E401
-    import cosybatch.frontend.ort_backend, cosybatch.text.tokenizer  # noqa: F401, E401
-    import cosybatch.models.flow, cosybatch.models.hift, cosybatch.models.speech_lm  # noqa: F401, E401
+    for name in ("checkpoint.onnx_file", "checkpoint.onnx_weights", "frontend.ort_backend", "text.tokenizer",
+                 "models.flow", "models.hift", "models.speech_lm"):
+        importlib.import_module(f"cosybatch.{name}")
 
     # Resolve (and so validate) the profile before loading any weights, and set the
     # process-wide switches before any model work.

@@ -7,6 +7,8 @@ own (the GPU frontend) scopes it with :func:`float32_math` and leaves the proces
 
 from __future__ import annotations
 
+import importlib
+
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ class ProcessSettings:
 def triton_available() -> bool:
     """Whether Triton imports (the CUDA kernels of the AR engine and of the codec)."""
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except Exception:
         return False
     return True

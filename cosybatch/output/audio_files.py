@@ -14,6 +14,8 @@ formats are encoded by libsndfile into a BytesIO.
 
 from __future__ import annotations
 
+import importlib
+
 import io
 import math
 import struct
@@ -256,12 +258,8 @@ class AudioFormat:
     def prepare(self) -> None:
         """Import what encoding needs (scipy, through pyloudnorm, takes about a second) before the
         first row, not inside its commit, where it would hold back every row behind it."""
-        import cosybatch.output.mastering  # noqa: F401
-        import pyloudnorm  # noqa: F401
-        import soxr  # noqa: F401
-
-        if self.format != "wav":
-            import soundfile  # noqa: F401
+        for name in ("cosybatch.output.mastering", "pyloudnorm", "soxr") + (("soundfile",) if self.format != "wav" else ()):
+            importlib.import_module(name)
 
     def encode(self, audio: np.ndarray, sample_rate: int) -> EncodedAudio:
         """Resample, normalize and encode one row's mono float32 audio (ValueError if libsndfile
