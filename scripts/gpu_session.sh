@@ -20,7 +20,7 @@
 #        work changed: weights straight to the GPU, lazy AR graphs, the GPU frontend read from
 #        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
-#        scheduler.ar_stream=beside, in one lease; needs nvidia-ml-py for the in-process kernel-active share)
+#        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2 (two keys at once)
 #        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
@@ -142,8 +142,8 @@ for step in "$@"; do
       prof "$c-${kvs//[^A-Za-z0-9_.-]/_}" $p ${c#c} 1088 64 --set "${kvs%%+*}" --set "${kvs#*+}" ;;
     timeline) setup; log "D22: serial vs deadline batching vs deadline batching + AR beside, C64 and C32"
       for c in c64 c32; do p=packed_streaming_optimized_standard; [ $c = c64 ] && p=packed_streaming_c64
-        prof "$c-serial" $p ${c#c} 1088 64
-        prof "$c-deadline" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=500
+        prof "$c-serial" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=null --set scheduler.ar_stream=serial
+        prof "$c-deadline" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=500 --set scheduler.ar_stream=serial
         prof "$c-deadline-beside" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=500 --set scheduler.ar_stream=beside
       done ;;
     c64seed) setup; prof c64seed packed_streaming_optimized_standard 64 1088 64 ;;
