@@ -195,3 +195,27 @@ def test_ar_step_beside_the_codec_gives_the_serial_tokens(parts, fixtures_dir, m
     if DEV.type == "cuda":
         assert tl["slice_ms"]["ar_decode"]["count"] > 0 and tl["gpu_budget"]["ar_decode"] > 0, tl.get("gpu_budget")
         print(f"{mode} beside: gpu_kernel {tl['gpu_kernel']}, budget {tl['gpu_budget']}")
+
+
+@pytest.mark.parametrize("mode", ["full", "streaming"])
+def test_flow_buckets_captured_at_start_up_leave_none_for_the_rows(parts, fixtures_dir, mode):
+    """``optimizations.flow_graph_precapture`` (design.md D27): every bucket of solves up to the
+    bound is captured before the first row, so the rows' solves only replay (none captured inside
+    the window), and the rows still produce audio."""
+    stream = mode == "streaming"
+    rows = fixture_rows(fixtures_dir)
+    extra = [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4", "optimizations.flow_graph_precapture=4096"]
+    extra += ["optimizations.prefix_reuse=true"] if stream else []
+    pipe = _pipeline(parts, extra)
+    flow = pipe.codec.flow
+    chunks, _ = _run(pipe, rows, stream, len(rows))
+    tl = pipe.timeline()
+    pipe.close()
+    assert all(len(c) for r in rows for c in chunks[r.utt_id][:1]), "every row produced audio"
+    if DEV.type == "cuda":
+        g = tl["graphs"]["flow"]
+        assert flow.geometry.coarse, "the Triton attention's buckets are the bounded set"
+        assert g["precaptures"] == len(flow.bucket_keys(stream, 4096)) > 0, g
+        assert g["captures_in_window"] == 0 and g["eager_steps"] == 0 and g["replays"] > 0, g
+        print(f"{mode}: {g['precaptures']} flow buckets at start-up, pool {g['pool_bytes'] / 2**20:.0f} MB, "
+              f"buffers {g['buffer_bytes'] / 2**20:.0f} MB, startup {pipe.startup.as_dict()}")

@@ -157,6 +157,9 @@ class TritonBackend:
 
     name = "triton"
     bucketable = True  # the tile count is bounded by the bucket's sequence count, query bound and tokens
+    # Padded sub-sequences and query bounds only add empty tiles, which exit at once, so graph
+    # buckets may take them from the stride and jobs alone (``flow_buckets``, design.md D27).
+    coarse_buckets = True
 
     def __init__(self, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
                  merge: bool = True):

@@ -23,6 +23,7 @@ class CodecConfig:
     flow_compile: bool
     flow_graphs: bool  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int
+    flow_graph_precapture: int | None  # start-up capture up to this many tokens per branch; None: lazy
     hift_graphs: bool
     hift_graph_capacity: int
     hift_graph_counters: int

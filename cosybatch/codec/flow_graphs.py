@@ -36,6 +36,7 @@ class FlowGraphStats:
     replays: int = 0
     eager_steps: int = 0
     captures: int = 0
+    precaptures: int = 0  # of ``captures``, those made at start-up (``precapture``)
     failures: int = 0
     evictions: int = 0
     entries: int = 0
@@ -111,6 +112,20 @@ class FlowGraphs:
             return
         st.eager_steps += 1
         self.step_fn(e.buffers)
+
+    def precapture(self, key: Hashable, make: Callable[[], StepBuffers]) -> int:
+        """Make the bucket's entry and capture its step now (start-up); 1 if captured. Like live
+        traffic, a bucket beyond ``capacity`` evicts the least recently used one."""
+        if not self.enabled or self.slots.disabled(key):
+            return 0
+        e = self.entry(key, make)
+        if e.replay is not None:
+            return 0
+        self._capture(key, e)
+        if e.replay is None:
+            return 0
+        self.stats.precaptures += 1
+        return 1
 
     def clear(self) -> None:
         self.slots.clear()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -29,6 +28,7 @@ from cosybatch.codec.config import CodecConfig
 from cosybatch.codec.dit_step import (ConvPositionEmbed, block_modulation, block_post, block_pre, block_pre_functional,
                                       block_qkv, block_weights, ff1_gelu_epilogue, rotary_qk_, rotary_qk_kv_,
                                       rotary_tables)
+from cosybatch.codec import flow_buckets
 from cosybatch.codec.flow_conditioning import JobInputs, static_inputs
 from cosybatch.codec.flow_graphs import Capture, FlowGraphs
 from cosybatch.codec.flow_step import FlowTables, StepBuffers, euler_step
@@ -68,18 +68,6 @@ class _HopPlan:
     record: tuple[int, int] | None = None  # frames whose trajectory the next hop's convs need
 
 
-def _geometric(n: int, quantum: int = 64) -> int:
-    """n rounded up to the next of quantum * 2**(k/4): buckets at most ~19 % larger than n."""
-    if n <= quantum:
-        return quantum
-    k = math.ceil(4 * math.log2(n / quantum) - 1e-9)
-    return int(math.ceil(quantum * 2 ** (k / 4) / quantum) * quantum)
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(0, n - 1).bit_length())
-
-
 class FlowRunner:
     def __init__(
         self,
@@ -96,6 +84,7 @@ class FlowRunner:
         triton_kernels: bool = False,
         fused_ln: bool | None = None,
         fusions: tuple[str, ...] | None = None,
+        max_jobs: int = 64,
     ):
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
@@ -113,7 +102,9 @@ class FlowRunner:
         FF1's cuBLASLt epilogue, ``kv`` the K/V arena writes in the rotary kernel, ``fill`` the
         attention's zeros written by its own launch (no memset, no torch.where), ``merge`` a
         call's pool and self attention launches as one (Triton attention). ``()`` is the
-        unfused path, kept as the reference; the eager twins run wherever Triton does not."""
+        unfused path, kept as the reference; the eager twins run wherever Triton does not.
+        ``max_jobs``: the most jobs a solve holds (the codec admission), which bounds the graph
+        buckets (``flow_buckets``)."""
         self.flow = flow
         self.cfg = flow.cfg
         self.device = next(flow.parameters()).device
@@ -163,6 +154,7 @@ class FlowRunner:
         t.chain, t.kv_writes, t.fill, t.merge = ("chain" in fusions, "kv" in fusions, "fill" in fusions,
                                                  "merge" in fusions)
         self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
+        self.max_jobs = max_jobs
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
             # (measured: the growth a minute into a C32 run threw away 91 graphs). Take the whole
@@ -179,7 +171,8 @@ class FlowRunner:
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
                    chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
-                   graph_capacity=cfg.flow_graph_capacity, triton_kernels=cfg.triton_kernels)
+                   graph_capacity=cfg.flow_graph_capacity, triton_kernels=cfg.triton_kernels,
+                   max_jobs=cfg.max_num_seqs)
 
     # ------------------------------------------------------------------ setup
 
@@ -289,7 +282,7 @@ class FlowRunner:
         if self.graphs is None or not self.backend.bucketable:
             lay, sizes, key = real, None, None
         else:
-            sizes = self._bucket(real, len(plans))
+            sizes = self._bucket(real, len(plans), self._both_launches(plans))
             key = tuple(sorted(sizes.items()))
             lay = pack(rows, self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
         self._count(plans, real, lay)
@@ -310,21 +303,81 @@ class FlowRunner:
         solve.step(self.n_steps)
         return solve.finish()
 
-    def _bucket(self, lay: FlowLayout, n_jobs: int) -> dict:
+    @property
+    def geometry(self) -> flow_buckets.Geometry:
+        """What the graph buckets depend on besides the solve (``flow_buckets``); coarse with a
+        backend whose padded launches cost only empty programs (the Triton attention)."""
+        return flow_buckets.Geometry(self.cfg.dit.static_chunk_size, self.conv_gap, self.conv_margin, self.max_jobs,
+                                     coarse=getattr(self.backend, "coarse_buckets", False))
+
+    def _both_launches(self, plans: list[_HopPlan]) -> bool:
+        """Whether a solve's bucket carries both attention launches whatever its rows: streaming
+        hops with a prefix arena on a coarse, merging backend (design.md D27)."""
+        return (self.geometry.coarse and self.tables.merge and hasattr(self.backend, "prepare_pair")
+                and any(p.job.chunk is not None for p in plans) and self.cache.ensure_arena())
+
+    def _bucket(self, lay: FlowLayout, n_jobs: int, both: bool = False) -> dict:
         """A graph bucket's sizes for a layout: padded so that buckets repeat across calls."""
-        jobs = _pow2(n_jobs)
-        stride = _geometric(lay.job_tokens)
-        margin = jobs * self.conv_margin  # a cached job's margin and records are < conv_margin frames
-        # Pool sub-sequences are the chunks of cached rows' new frames: per CFG twin of a job at
-        # most new / chunk + 1, so at most 2 (stride / chunk + 1 + jobs), plus a dummy per gap.
-        # A function of (stride, jobs), so it adds no bucket of its own (buckets that multiplied
-        # with every launch's own counts were captured ~500 times in a 1,088-row run).
-        pool_seqs = 4 * (stride // self.cfg.dit.static_chunk_size + 1 + jobs) + 1
-        return {"stride": stride, "jobs": jobs, "margin": margin, "records": margin,
-                "conv_len": 2 * (jobs * self.conv_gap + stride + margin) + 1,
-                "pool_seqs": pool_seqs if len(lay.pool) else 0,
-                "self_seqs": _pow2(2 * len(lay.self) + 1, 4) if len(lay.self) else 0,
-                "self_max_q": _pow2(lay.self.max_q, 64) if len(lay.self) else 0}
+        pool, self_ = (True, True) if both else (len(lay.pool) > 0, len(lay.self) > 0)
+        return flow_buckets.sizes(self.geometry, lay.job_tokens, n_jobs, pool, self_, len(lay.self), lay.self.max_q)
+
+    def bucket_flags(self, streaming: bool) -> list[tuple[bool, bool]]:
+        """The (pool, self) launch pairs this runner's buckets can have in a streaming or whole
+        response run (``flow_buckets.launch_flags``)."""
+        merges = self.tables.merge and hasattr(self.backend, "prepare_pair")
+        return flow_buckets.launch_flags(streaming, self.cache.enabled, merges)
+
+    def bucket_keys(self, streaming: bool, max_stride: int) -> list[tuple]:
+        """Every graph bucket a run's solves of at most ``max_stride`` tokens per branch can use."""
+        return flow_buckets.keys(self.geometry, max_stride, self.bucket_flags(streaming))
+
+    @torch.inference_mode()
+    def precapture(self, keys: list[tuple]) -> int:
+        """Capture the Euler step of each bucket in ``keys`` now (start-up), on buffers of the
+        bucket's shapes that solves then fill; returns how many were captured. Needs graphs and a
+        bucketable backend (0 otherwise)."""
+        if self.graphs is None or not self.backend.bucketable:
+            return 0
+        made = 0
+        for k in keys:
+            s = dict(k)
+            if s["pool_seqs"]:
+                self.cache.ensure_arena()
+                if self.cache.version != self._arena_version:
+                    self.graphs.clear()
+                    self._arena_version = self.cache.version
+            made += self.graphs.precapture(k, lambda: self._blank_inputs(s))
+        return made
+
+    def _blank_inputs(self, sizes: dict) -> StepBuffers:
+        """A bucket's buffers with no job in them: every token padding (its keys none, its conv
+        frame the sink), so the capture's warm-up step computes nothing a solve reads."""
+        lay = pack([], self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
+        dev, mel, stride = self.device, self.cfg.output_size, sizes["stride"]
+        t = lambda a: h2d(torch.from_numpy(np.ascontiguousarray(a)), device=dev)  # noqa: E731
+        cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(t(lay.positions)))
+        has_pool, has_self = sizes["pool_seqs"] > 0, sizes["self_seqs"] > 0
+        n_att = lay.tokens
+        merged = self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair")
+        if merged:
+            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
+                                             self._launch_sizes(sizes, "self"))
+            self_ = None
+        else:
+            pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
+            self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        static = torch.zeros(sizes["conv_len"], 3 * mel, device=dev, dtype=self.dtype)  # cond | mu | spk
+        slots = np.full(2 * stride, self.cache.dump, dtype=np.int64)
+        b = StepBuffers(x=torch.zeros(stride, mel, device=dev), step=torch.zeros(1, dtype=torch.long, device=dev),
+                        static=static, valid=t(lay.conv_valid), conv_of_token=t(lay.conv_of_token), cos=cos, sin=sin,
+                        pool_slots=t(slots), pool_mask=t(lay.pool_slots >= 0)[:, None, None], pool=pool, self_=self_,
+                        merged=merged)
+        b.margin = torch.zeros(self.n_steps, sizes["margin"], mel, device=dev, dtype=self.dtype)
+        b.margin_conv = t(lay.margin_conv.reshape(-1))
+        b.record_idx = t(np.zeros(sizes["records"], dtype=np.int64))
+        b.traj = torch.zeros(self.n_steps, sizes["records"], mel, device=dev)
+        b.extra["record_spans"] = []
+        return b
 
     def _inputs(self, plans: list[_HopPlan], lay: FlowLayout, sizes: dict | None) -> StepBuffers:
         dev, mel = self.device, self.cfg.output_size
@@ -338,6 +391,8 @@ class FlowRunner:
         # Rotary angles from the fp32 module: a bf16 copy of inv_freq would lose precision.
         cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(t(lay.positions)))
         has_pool, has_self = len(lay.pool) > 0, len(lay.self) > 0
+        if sizes is not None:  # a bucket may carry a launch with no rows in this solve (D27)
+            has_pool, has_self = sizes["pool_seqs"] > 0, sizes["self_seqs"] > 0
         if has_pool:
             self.cache.ensure_arena()
         n_att = lay.tokens

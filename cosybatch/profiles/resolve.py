@@ -91,6 +91,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         prefix_budget_bytes=int(o.prefix_budget_gb * (1 << 30)) if o.prefix_reuse else 0,
         chunk_causal_final=o.chunk_causal_final, flow_compile=o.flow_compile,
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
+        flow_graph_precapture=o.flow_graph_precapture if cuda else None,
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
         hift_graph_precapture=o.hift_graph_precapture if cuda else (),

@@ -150,6 +150,11 @@ class Optimizations:
     triton_kernels: bool = True
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
+    # Capture at start-up, before the first row, every flow bucket of solves of at most this many
+    # tokens per CFG branch (rounded up to a bucket; design.md D27); null: each bucket when a
+    # solve first needs it. Needs flow_graphs; a bucket outside the set is still captured at first
+    # sight and counted in the timeline's captures_in_window.
+    flow_graph_precapture: int | None = None
     flow_compile: bool = False
     prefix_reuse: bool = False
     prefix_budget_gb: float = 8.0
@@ -349,6 +354,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.hift_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.hift_frame_bucket": (lambda v: v is None or v >= 1, "must be >= 1"),
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
+    "optimizations.flow_graph_precapture": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
@@ -401,6 +407,9 @@ def cross_check(p: Profile, who: str) -> None:
     if o.hift_graph_precapture and not o.hift_graphs:
         raise ProfileError(f"{who}: optimizations.hift_graph_precapture needs optimizations.hift_graphs=true, "
                            f"got {at('optimizations.hift_graphs')}")
+    if o.flow_graph_precapture is not None and not o.flow_graphs:
+        raise ProfileError(f"{who}: optimizations.flow_graph_precapture needs optimizations.flow_graphs=true, "
+                           f"got {at('optimizations.flow_graphs')}")
     if o.hift_graph_counters < o.hift_graph_capacity:
         raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
                            f"{at('optimizations.hift_graph_capacity')} (every graphed shape keeps a counter)")

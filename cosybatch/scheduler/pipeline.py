@@ -118,8 +118,11 @@ class FastPipeline:
                 n = hift.precapture(codec_cfg.hift_graph_precapture)
                 log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
                          len(codec_cfg.hift_graph_precapture))
-            self.codec = CodecWork(FlowRunner.from_config(models.flow, codec_cfg), hift, self.acct,
-                                   CostModel(learn=device.type == "cuda"), limits, device)
+            flow = FlowRunner.from_config(models.flow, codec_cfg)
+            self.codec = CodecWork(flow, hift, self.acct, CostModel(learn=device.type == "cuda"), limits, device)
+        if codec_cfg.flow_graphs and codec_cfg.flow_graph_precapture:
+            with startup.phase("flow graphs"):
+                self._precapture_flow(flow, codec_cfg.flow_graph_precapture)
         self._token_frames = self.cfg.flow.token_mel_ratio
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
@@ -222,6 +225,24 @@ class FastPipeline:
             self._lives.clear()
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
         return out
+
+    def _precapture_flow(self, flow: FlowRunner, max_stride: int) -> None:
+        """Capture every flow bucket this run's solves of at most ``max_stride`` tokens per branch
+        can use, before the first row (design.md D27): logged with the pool memory they hold."""
+        if not flow.geometry.coarse:
+            log.info("flow graphs: no start-up capture with the %s attention (its buckets follow each solve's "
+                     "rows, an unbounded set); each bucket is captured at first sight", flow.backend.name)
+            return
+        keys = flow.bucket_keys(self.streaming, max_stride)
+        if len(keys) > flow.graphs.capacity:
+            log.warning("flow graphs: %d buckets up to %d tokens exceed the cache's %d; the first %d are "
+                        "captured", len(keys), max_stride, flow.graphs.capacity, flow.graphs.capacity)
+            keys = keys[: flow.graphs.capacity]
+        n = flow.precapture(keys)
+        st = flow.graphs.stats
+        log.info("flow graphs captured at start-up: %d of %d buckets (solves up to %d tokens per branch); "
+                 "pool %.0f MB, buffers %.0f MB", n, len(keys), max_stride, st.pool_bytes / 2**20,
+                 st.buffer_bytes / 2**20)
 
     def _graph_stats(self) -> dict:
         """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
