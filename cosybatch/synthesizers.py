@@ -119,12 +119,11 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     from cosybatch.gpu.runtime import apply_process_settings
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
-    from cosybatch.text.normalize import prepare_normalizer
     # This package's modules the loads below need are imported now, before their threads start:
     # each thread then imports only third-party packages of its own (onnx; inflect, wetext), so
     # no two threads wait on each other's imports (a cycle there hands one a half-done module).
     for name in ("checkpoint.onnx_file", "checkpoint.onnx_weights", "frontend.ort_backend", "text.tokenizer",
-                 "models.flow", "models.hift", "models.speech_lm"):
+                 "helper_process", "text.normalize", "models.flow", "models.hift", "models.speech_lm"):
         importlib.import_module(f"cosybatch.{name}")
 
     # Resolve (and so validate) the profile before loading any weights, and set the
@@ -146,19 +145,48 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
 
     # The three loads share nothing but the GPU's copy engine and the host (design.md D25):
     # the LM, flow and HiFT weights here, the frontend's models on one thread, the text
-    # normalizer's imports (what the first row would otherwise pay) on another.
-    with clock.parallel("loading (parallel)") as par:
-        par.start("text normalizer", lambda: _ahead_of_rows(lambda: prepare_normalizer(settings.text.normalizer)))
-        fe = par.start("frontend", build_frontend)
-        with par.part("models"):
-            models = load_models(model_dir, device=str(device))
-    frontend = fe.result()
+    # normalizer (what the first row would otherwise build; for wetext, the helper process that
+    # builds it and normalises the rows' texts) on another.
+    helpers = []  # the text normaliser's helper process, ended here if the start-up fails
+
+    def text_normalizer() -> None:
+        helpers.append(_text_normalizer(settings.text.normalizer))
+
+    try:
+        with clock.parallel("loading (parallel)") as par:
+            par.start("text normalizer", text_normalizer)
+            fe = par.start("frontend", build_frontend)
+            with par.part("models"):
+                models = load_models(model_dir, device=str(device))
+        frontend = fe.result()
+    except BaseException:
+        for h in helpers:
+            if h is not None:
+                h.close()
+        raise
+    frontend.text_helper = helpers[0] if helpers else None
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()
     pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
     clock.log()
     return pipeline
+
+
+def _text_normalizer(normalizer):
+    """What the rows' text normalisation needs, built ahead of them: for wetext, a helper process
+    that builds it and then normalises every row's text (returned; with the same result as here,
+    without holding this process's GIL -- the GPU thread's -- for ~2.5 ms a row); else (or if no
+    helper process starts) the normaliser in this process."""
+    from cosybatch.helper_process import HelperProcess
+    from cosybatch.text.normalize import prepare_normalizer
+
+    if normalizer == "wetext":
+        helper = HelperProcess("text normalizer", warm=(prepare_normalizer, normalizer))
+        if helper.alive:
+            return helper
+    _ahead_of_rows(lambda: prepare_normalizer(normalizer))
+    return None
 
 
 def _ahead_of_rows(load) -> None:
@@ -177,6 +205,11 @@ def _on(device: torch.device):
 
 class FastSynthesizer:
     """``synth`` on the fast path: many rows in flight through ``scheduler.pipeline.FastPipeline``."""
+
+    # The thread iterating synthesize_batch drives the GPU: run_synth encodes the rows' files in
+    # a helper process, so that their loudness measurement does not hold that thread's GIL (the
+    # rows' texts are normalised in another, see _text_normalizer).
+    helper_processes = True
 
     def __init__(self, model_dir, device: torch.device, profile, force_length: bool = False, prompt_cache=None):
         """``force_length``: each row generates the token count ``workload.force_tokens`` derives

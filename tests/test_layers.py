@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1] / "cosybatch"
 
 # (rank, group): top-level modules by name, folders (trailing ".") for every module inside them.
 LAYERS = {
-    # 0: neutral leaves every stage may use: the prompt type, the hop schedule, atomic files, GPU helpers
+    # 0: neutral leaves every stage may use: the prompt type, the hop schedule, atomic files, GPU helpers,
+    # the helper process for GIL-holding row work
     "cosybatch": (0, None), "cosybatch.prompt": (0, None), "cosybatch.hops": (0, None),
-    "cosybatch.atomic": (0, None), "cosybatch.gpu.": (0, None),
+    "cosybatch.atomic": (0, None), "cosybatch.gpu.": (0, None), "cosybatch.helper_process": (0, None),
     # 1: plain models, audio and text processing, checkpoints, the manifest
     "cosybatch.models.": (1, None), "cosybatch.audio.": (1, None), "cosybatch.text.": (1, None),
     "cosybatch.checkpoint.": (1, None), "cosybatch.manifest": (1, None),

@@ -113,14 +113,20 @@ def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed
     calls = []
     monkeypatch.setattr(Frontend, "warmup", lambda self: calls.append(self))
     pipe = _fast_pipeline(model_dir, torch.device("cpu"), load_profile(profile))
+    helper = pipe.frontend.text_helper
     try:
         assert len(calls) == (1 if warmed else 0)
         phases = pipe.startup.phases
         assert {"loading (parallel)", "AR engine", "codec"} <= set(phases)
         assert set(pipe.startup.parallel_parts["loading (parallel)"]) == {"models", "frontend", "text normalizer"}
         assert ("frontend warm-up" in phases) == warmed
+        # wetext (the profiles' normaliser) runs in a helper process, which reads as this one does
+        assert helper is not None and helper.alive
+        assert pipe.frontend.prepare("Hi.", "It is 5 past 3.").segment_texts == ["It is five past three."]
+        assert helper.fallbacks == 0
     finally:
         pipe.close()
+    assert not helper.alive and pipe.frontend.text_helper is None  # the pipeline ends it
 
 
 def test_what_is_built_ahead_of_the_rows_does_not_fail_the_start_up(model_dir, monkeypatch):

@@ -144,6 +144,9 @@ class Frontend:
         if text_normalizer not in NORMALIZERS:
             raise ValueError(f"text_normalizer must be one of {', '.join(NORMALIZERS)}, got {text_normalizer!r}")
         self.text_normalizer = text_normalizer
+        # A HelperProcess running wetext outside this process (set by synth's fast engine, whose GPU
+        # thread would otherwise wait on the GIL while a worker normalises); closed with the frontend.
+        self.text_helper = None
         self.cfg = cfg
         self._tokenizer = tokenizer
         if fbank not in ("cpu", "device"):
@@ -204,7 +207,7 @@ class Frontend:
 
         tok = self.tokenizer
         prompt_ids = torch.tensor(tok.encode(prompt_text_for(prompt_transcript)), dtype=torch.long)
-        texts = list(split_target_text(target_text, tok, normalizer=self.text_normalizer))
+        texts = list(split_target_text(target_text, tok, normalizer=self.text_normalizer, helper=self.text_helper))
         if not texts:
             raise ValueError(f"target text has nothing to synthesise: {target_text!r}")
         segments = [torch.tensor(tok.encode(t), dtype=torch.long) for t in texts]
@@ -378,8 +381,11 @@ class Frontend:
 
     def close(self) -> None:
         """Write the pending disk-cache entries and stop the writer (call at the end of a run;
-        the in-memory cache stays usable)."""
+        the in-memory cache stays usable; text is normalised in this process from then on)."""
         self._cache.close()
+        helper, self.text_helper = self.text_helper, None
+        if helper is not None:
+            helper.close()
 
 
 class _Done:

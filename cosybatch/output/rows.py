@@ -56,14 +56,17 @@ def finished_with_inputs(row: ManifestRow, rec: dict[str, Any], out_dir: Path) -
 
 
 def finish_row(out_dir: Path, row: ManifestRow, result: Any, elapsed: float | None, fp_sha: str,
-               audio: AudioFormat, ledger: Any, tag: str = "") -> dict[str, Any]:
+               audio: AudioFormat, ledger: Any, tag: str = "", helper: Any = None) -> dict[str, Any]:
     """Commit a synthesizer's result: the row's audio file, then its ok ledger line; returns the
-    record. Raises RowFailed for this row's own problems; an OutputFault propagates."""
+    record. Raises RowFailed for this row's own problems; an OutputFault propagates. ``helper``:
+    a ``cosybatch.helper_process.HelperProcess`` that encodes the file (loudness measurement
+    included) outside this process, with the same bytes; None encodes here."""
     if isinstance(result, BaseException):
         raise RowFailed(result)
     try:
         rec, samples = ok_record(row, result, elapsed, fp_sha)
-        encoded = audio.encode(samples, rec["sample_rate"])
+        encoded = (helper.run(audio.encode, samples, rec["sample_rate"]) if helper is not None
+                   else audio.encode(samples, rec["sample_rate"]))
     except Exception as e:
         raise RowFailed(e) from e
     name = audio_name(row.utt_id, audio.format)

@@ -205,6 +205,7 @@ class _Run:
         self.synth_stats: dict[str, Any] = {}  # the synthesizer's own figures, read on the thread driving it
         # what building the synthesizer cost before the run's window opened (wall_s excludes it)
         self.startup: dict[str, Any] | None = getattr(self.synth, "startup", None)
+        self.encoder: Any = None  # the HelperProcess encoding the rows' files, if any (see _begin)
 
     @property
     def interrupted(self) -> bool:
@@ -262,6 +263,7 @@ class _Run:
         with DeferredInterrupts() as intr, contextlib.ExitStack() as stack:
             try:
                 ledger = stack.enter_context(Ledger(self.ledger_path))
+                stack.callback(self._close_encoder)
                 self._begin(ledger, intr)
                 self._rows_loop(ledger)
             except KeyboardInterrupt as e:
@@ -274,6 +276,10 @@ class _Run:
         if not self.quiet:
             print_summary(totals, self.console)
         return RunReport(self._exit_code(), totals, self.out, self.ledger_path, self.timing_path, self.failed)
+
+    def _close_encoder(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
 
     def _exit_code(self) -> int:
         if self.signum is not None:
@@ -294,8 +300,16 @@ class _Run:
         # The encoders' imports (about a second, scipy) happen here, not in the first row's commit
         # where they would hold back every row behind it; after run_start, so that the parent of
         # --devices workers sees each worker start as soon as it has; before the rows' window
-        # opens, so throughput is not charged with them.
-        self.audio.prepare()
+        # opens, so throughput is not charged with them. A synthesizer that drives a GPU from
+        # the thread iterating its rows (``helper_processes``) has them encoded in a helper
+        # process, which imports them itself: a row's loudness measurement holds the GIL for
+        # milliseconds (scipy's lfilter, pyloudnorm's gating loop), and the GPU thread needs it.
+        if getattr(self.synth, "helper_processes", False):
+            from cosybatch.helper_process import HelperProcess
+
+            self.encoder = HelperProcess("encoder", warm=(self.audio.prepare,))
+        if self.encoder is None or not self.encoder.alive:
+            self.audio.prepare()
         self.t_start = time.time()
         with intr.commit():
             self.timing.write(self.timing_doc(False))
@@ -395,7 +409,8 @@ class _Run:
         """On the writer thread, where no signal arrives: a row's file, its ledger line and its
         counts are never separated by an interrupt. A full disk (OutputFault) stops the run."""
         try:
-            rec = finish_row(self.out, row, res, elapsed, self.fp_sha, self.audio, ledger, self.shard.tag)
+            rec = finish_row(self.out, row, res, elapsed, self.fp_sha, self.audio, ledger, self.shard.tag,
+                             helper=self.encoder)
         except RowFailed as e:
             self._failed(row, e.error, ledger, bar)
             return
