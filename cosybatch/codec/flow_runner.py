@@ -357,15 +357,7 @@ class FlowRunner:
         t = lambda a: h2d(torch.from_numpy(np.ascontiguousarray(a)), device=dev)  # noqa: E731
         cos, sin = rotary_tables(self.flow.decoder.estimator.rotary_embed.freqs(t(lay.positions)))
         has_pool, has_self = sizes["pool_seqs"] > 0, sizes["self_seqs"] > 0
-        n_att = lay.tokens
-        merged = self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair")
-        if merged:
-            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
-                                             self._launch_sizes(sizes, "self"))
-            self_ = None
-        else:
-            pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
-            self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        pool, self_, merged = self._attention_tables(lay, sizes, has_pool, has_self)
         static = torch.zeros(sizes["conv_len"], 3 * mel, device=dev, dtype=self.dtype)  # cond | mu | spk
         slots = np.full(2 * stride, self.cache.dump, dtype=np.int64)
         b = StepBuffers(x=torch.zeros(stride, mel, device=dev), step=torch.zeros(1, dtype=torch.long, device=dev),
@@ -378,6 +370,18 @@ class FlowRunner:
         b.traj = torch.zeros(self.n_steps, sizes["records"], mel, device=dev)
         b.extra["record_spans"] = []
         return b
+
+    def _attention_tables(self, lay: FlowLayout, sizes: dict | None, has_pool: bool, has_self: bool):
+        """The attention launches' tables: (pool, self, merged); merged, one launch for both (its
+        tile count: both bucket bounds together) and ``self`` None."""
+        n_att, dev = lay.tokens, self.device
+        if self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair"):
+            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
+                                             self._launch_sizes(sizes, "self"))
+            return pool, None, True
+        pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
+        self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        return pool, self_, False
 
     def _inputs(self, plans: list[_HopPlan], lay: FlowLayout, sizes: dict | None) -> StepBuffers:
         dev, mel = self.device, self.cfg.output_size
@@ -395,15 +399,7 @@ class FlowRunner:
             has_pool, has_self = sizes["pool_seqs"] > 0, sizes["self_seqs"] > 0
         if has_pool:
             self.cache.ensure_arena()
-        n_att = lay.tokens
-        merged = self.tables.merge and has_pool and has_self and hasattr(self.backend, "prepare_pair")
-        if merged:  # one launch for both (its tile count: both bucket bounds together)
-            pool = self.backend.prepare_pair(lay.pool, lay.self, n_att, dev, self._launch_sizes(sizes, "pool"),
-                                             self._launch_sizes(sizes, "self"))
-            self_ = None
-        else:
-            pool = self.backend.prepare(lay.pool, n_att, dev, *self._launch_sizes(sizes, "pool")) if has_pool else None
-            self_ = self.backend.prepare(lay.self, n_att, dev, *self._launch_sizes(sizes, "self")) if has_self else None
+        pool, self_, merged = self._attention_tables(lay, sizes, has_pool, has_self)
         slots = np.where(lay.pool_slots >= 0, lay.pool_slots, self.cache.dump)
         b = StepBuffers(x=x, step=torch.zeros(1, dtype=torch.long, device=dev),
                         static=static_inputs(self.flow, jobs, lay, self.dtype, dev), valid=t(lay.conv_valid),
