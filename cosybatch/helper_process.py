@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
@@ -78,8 +79,13 @@ class HelperProcess:
     them). ``warm``: a first call ``(fn, *args)`` sent at once (imports, a model build), so
     that the first row does not wait for it; its result is dropped."""
 
-    def __init__(self, name: str, warm: tuple | None = None):
+    def __init__(self, name: str, warm: tuple | None = None, local_until_warm: bool = False):
         self.name = name
+        # Calls made before the warm-up has answered (the child is still importing) run here
+        # instead of queueing behind it: a writer's first rows then do not wait seconds for the
+        # child's start-up, while a caller whose warm-up builds what every call needs (a text
+        # normalizer) keeps waiting for it, so that it is not built twice.
+        self._local_until_warm = local_until_warm
         self._lock = threading.Lock()
         self._owed = 0  # answers to calls whose result nobody waits for (the warm-up)
         self._proc: subprocess.Popen | None = None
@@ -106,7 +112,11 @@ class HelperProcess:
         """``fn(*args)``, computed in the child when it can (``fn`` and the arguments must
         pickle: a module-level function, a bound method of a picklable object), else here."""
         with self._lock:
-            if self._proc is not None:
+            if self._proc is not None and self._owed and self._local_until_warm and not self._answer_ready():
+                return_here = True
+            else:
+                return_here = False
+            if self._proc is not None and not return_here:
                 try:
                     while self._owed:
                         self._receive()
@@ -123,8 +133,17 @@ class HelperProcess:
                     log.warning("%s: the helper process is gone (%s); its work runs in this process from now on",
                                 self.name, e)
                     self._stop()
-            self.fallbacks += 1
+            if not return_here:
+                self.fallbacks += 1
         return fn(*args)
+
+    def _answer_ready(self) -> bool:
+        """Whether an answer can be read without waiting (nothing of the child's output has been
+        read before the warm-up's answer, so the pipe itself tells)."""
+        try:
+            return bool(select.select([self._proc.stdout], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True  # let the read find out what is wrong
 
     def _send(self, fn: Callable[..., Any], args: tuple) -> None:
         try:

@@ -114,6 +114,20 @@ def test_a_dead_helper_hands_its_work_to_this_process(caplog):
     h.close()
 
 
+@pytest.mark.parametrize("local_until_warm", [True, False])
+def test_calls_before_the_warm_up_answers_run_here_only_when_asked(local_until_warm):
+    """A writer's first rows must not wait for the child's start-up; a text reader must wait for
+    the normalizer its warm-up builds (it would be built twice)."""
+    import time
+
+    with HelperProcess("t", warm=(time.sleep, 1.0), local_until_warm=local_until_warm) as h:
+        assert (h.run(os.getpid) == os.getpid()) == local_until_warm
+        t_end = time.monotonic() + 60  # once the warm-up has answered, every call goes to the child
+        while h.run(os.getpid) == os.getpid() and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert h.run(os.getpid) != os.getpid() and h.fallbacks == 0
+
+
 def test_a_closed_helper_runs_calls_here():
     h = HelperProcess("t")
     h.close()

@@ -307,7 +307,7 @@ class _Run:
         if getattr(self.synth, "helper_processes", False):
             from cosybatch.helper_process import HelperProcess
 
-            self.encoder = HelperProcess("encoder", warm=(self.audio.prepare,))
+            self.encoder = HelperProcess("encoder", warm=(self.audio.prepare,), local_until_warm=True)
         if self.encoder is None or not self.encoder.alive:
             self.audio.prepare()
         self.t_start = time.time()
