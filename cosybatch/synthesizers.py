@@ -7,9 +7,8 @@ many rows in flight through ``scheduler.pipeline.FastPipeline``. ``build_synthes
 
 from __future__ import annotations
 
-import importlib
-
 import contextlib
+import importlib
 import logging
 import platform
 from dataclasses import dataclass

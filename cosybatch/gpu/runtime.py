@@ -8,7 +8,6 @@ own (the GPU frontend) scopes it with :func:`float32_math` and leaves the proces
 from __future__ import annotations
 
 import importlib
-
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -15,7 +15,6 @@ formats are encoded by libsndfile into a BytesIO.
 from __future__ import annotations
 
 import importlib
-
 import io
 import math
 import struct
