@@ -132,9 +132,7 @@ def block_post(h, attn, gate_msa, shift_mlp, scale1_mlp, gate_mlp, wo, bo, w1, b
     if residual_ln is None:
         h = torch.addcmul(h, gate_mlp, y)
         return h, _modulated_ln(h, *next_ln)
-    if keep_h:
-        return residual_ln(h, gate_mlp, y, *next_ln, LN_EPS)
-    return residual_ln(h, gate_mlp, y, *next_ln, LN_EPS, keep_h=False)
+    return residual_ln(h, gate_mlp, y, *next_ln, LN_EPS, keep_h=keep_h)
 
 
 def block_weights(dit: DiT) -> list[tuple[tuple, tuple]]:

@@ -273,9 +273,7 @@ class FlowRunner:
         if len(set(keys)) != len(keys):
             raise ValueError("a segment may appear once per call")
         plans = [self._plan(j) for j in jobs]
-        if self.graphs is not None and self.cache.version != self._arena_version:
-            self.graphs.clear()  # the arena grew and moved: captured steps hold its old address
-            self._arena_version = self.cache.version
+        self._follow_arena()
         rows = [RowSpec(p.frames, p.q_start, p.conv_start, p.attn_chunk,
                         tuple(self.cache.get(p.key).regions) if p.key else None) for p in plans]
         real = pack(rows, self.conv_gap)
@@ -283,7 +281,7 @@ class FlowRunner:
             lay, sizes, key = real, None, None
         else:
             sizes = self._bucket(real, len(plans), self._both_launches(plans))
-            key = tuple(sorted(sizes.items()))
+            key = flow_buckets.key(sizes)
             lay = pack(rows, self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
         self._count(plans, real, lay)
         fresh = self._inputs(plans, lay, sizes)
@@ -343,11 +341,15 @@ class FlowRunner:
             s = dict(k)
             if s["pool_seqs"]:
                 self.cache.ensure_arena()
-                if self.cache.version != self._arena_version:
-                    self.graphs.clear()
-                    self._arena_version = self.cache.version
+                self._follow_arena()
             made += self.graphs.precapture(k, lambda: self._blank_inputs(s))
         return made
+
+    def _follow_arena(self) -> None:
+        """Captured steps hold the prefix arena's address: when it grew and moved, drop them."""
+        if self.graphs is not None and self.cache.version != self._arena_version:
+            self.graphs.clear()
+            self._arena_version = self.cache.version
 
     def _blank_inputs(self, sizes: dict) -> StepBuffers:
         """A bucket's buffers with no job in them: every token padding (its keys none, its conv

@@ -142,25 +142,6 @@ def euler_step(b: StepBuffers, t: FlowTables, backend, arena=None) -> None:
 def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys, written: bool = False, fill: bool = False):
     """The layer's attention output [N, H, Dh]. ``written``: K/V already in the arena (the
     rotary wrote them); ``fill``: one output for both launches, zeros written by the last."""
-    if b.merged:  # one launch: cached rows' keys from the arena, the others' from this call's k/v
-        keys, idx = pool_keys
-        if not written:
-            _wide(arena.k).index_copy_(0, idx, _wide(k))
-            _wide(arena.v).index_copy_(0, idx, _wide(v))
-        return backend.run(q, arena.k, arena.v, b.pool, keys, fill=(b.pool,) if fill else None, k2=k, v2=v)
-    if fill:
-        out = q.new_empty(q.shape)
-        launches = tuple(m for m in (b.pool, b.self_) if m is not None)
-        if b.pool is not None:
-            keys, idx = pool_keys
-            if not written:
-                _wide(arena.k).index_copy_(0, idx, _wide(k))
-                _wide(arena.v).index_copy_(0, idx, _wide(v))
-            backend.run(q, arena.k, arena.v, b.pool, keys, out=out, fill=None if b.self_ is not None else launches)
-        if b.self_ is not None:  # pool and self tokens are disjoint: each launch writes its own
-            backend.run(q, k, v, b.self_, out=out, fill=launches)
-        return out
-    o_pool = o_self = None
     if b.pool is not None:
         # Every token writes its K/V (non-pool tokens into the dump frame), then the pool
         # launch reads each cached row's keys in place from this (step, layer) slot.
@@ -168,9 +149,18 @@ def _attend(q, k, v, b: StepBuffers, backend, arena, pool_keys, written: bool = 
         if not written:
             _wide(arena.k).index_copy_(0, idx, _wide(k))
             _wide(arena.v).index_copy_(0, idx, _wide(v))
-        o_pool = backend.run(q, arena.k, arena.v, b.pool, keys)
-    if b.self_ is not None:
-        o_self = backend.run(q, k, v, b.self_)
+    if b.merged:  # one launch: cached rows' keys from the arena, the others' from this call's k/v
+        return backend.run(q, arena.k, arena.v, b.pool, keys, fill=(b.pool,) if fill else None, k2=k, v2=v)
+    if fill:
+        out = q.new_empty(q.shape)
+        launches = tuple(m for m in (b.pool, b.self_) if m is not None)
+        if b.pool is not None:
+            backend.run(q, arena.k, arena.v, b.pool, keys, out=out, fill=None if b.self_ is not None else launches)
+        if b.self_ is not None:  # pool and self tokens are disjoint: each launch writes its own
+            backend.run(q, k, v, b.self_, out=out, fill=launches)
+        return out
+    o_pool = backend.run(q, arena.k, arena.v, b.pool, keys) if b.pool is not None else None
+    o_self = backend.run(q, k, v, b.self_) if b.self_ is not None else None
     if o_pool is None:
         return o_self
     if o_self is None:
