@@ -180,6 +180,22 @@ def key_counts(seqs: SubSeqs, n_tokens: int) -> np.ndarray:
     return out
 
 
+def _padded(t: np.ndarray, columns: tuple, n_tiles: int | None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The tile table [T, 4] and its per-tile columns as int32, padded with empty tiles (zeros) to
+    ``n_tiles`` (at least one tile; the real count when None)."""
+    n = len(t) if n_tiles is None else n_tiles
+    if len(t) > n:
+        raise ValueError(f"{len(t)} query tiles do not fit the launch's {n}")
+    tiles = np.zeros((max(n, 1), 4), dtype=np.int32)
+    tiles[: len(t)] = t
+    out = []
+    for c in columns:
+        col = np.zeros(max(n, 1), dtype=np.int32)
+        col[: len(c)] = c
+        out.append(col)
+    return tiles, out
+
+
 def prepare_tile_pair(first: SubSeqs, second: SubSeqs, n_tokens: int, device, block_m: int, merge: bool,
                       n_tiles: int | None = None):
     """``prepare_tiles`` for two launches over disjoint tokens run as one (``chunk_attention``'s
@@ -190,14 +206,7 @@ def prepare_tile_pair(first: SubSeqs, second: SubSeqs, n_tokens: int, device, bl
     t, st = np.concatenate((t1, t2)), np.concatenate((s1, s2))
     src = np.concatenate((np.zeros(len(t1), np.int32), np.ones(len(t2), np.int32)))
     by_work = np.argsort(-t[:, 3], kind="stable")
-    t, st, src = t[by_work], st[by_work], src[by_work]
-    n = len(t) if n_tiles is None else n_tiles
-    if len(t) > n:
-        raise ValueError(f"{len(t)} query tiles do not fit the launch's {n}")
-    tiles = np.zeros((max(n, 1), 4), dtype=np.int32)
-    tiles[: len(t)] = t
-    starts, srcs = np.zeros(max(n, 1), dtype=np.int32), np.zeros(max(n, 1), dtype=np.int32)
-    starts[: len(st)], srcs[: len(src)] = st, src
+    tiles, (starts, srcs) = _padded(t[by_work], (st[by_work], src[by_work]), n_tiles)
     klen = key_counts(first, n_tokens) + key_counts(second, n_tokens)
     dev = lambda a: h2d(torch.from_numpy(a), device=device)  # noqa: E731
     return {"tiles": dev(tiles), "k_start": dev(starts), "k_len": dev(klen), "src": dev(srcs),
@@ -208,13 +217,7 @@ def prepare_tiles(seqs: SubSeqs, n_tokens: int, device, block_m: int, merge: boo
     """Device tensors of one launch: ``tiles`` [T, 4] int32, ``k_start`` [T] int32, ``k_len``
     [n_tokens] int32; T = ``n_tiles`` (padded with empty tiles) or the real count."""
     t, s = tile_table(seqs, block_m, merge)
-    n = len(t) if n_tiles is None else n_tiles
-    if len(t) > n:
-        raise ValueError(f"{len(t)} query tiles do not fit the launch's {n}")
-    tiles = np.zeros((max(n, 1), 4), dtype=np.int32)
-    tiles[: len(t)] = t
-    starts = np.zeros(max(n, 1), dtype=np.int32)
-    starts[: len(s)] = s
+    tiles, (starts,) = _padded(t, (s,), n_tiles)
     return {"tiles": h2d(torch.from_numpy(tiles), device=device), "k_start": h2d(torch.from_numpy(starts), device=device),
             "k_len": h2d(torch.from_numpy(key_counts(seqs, n_tokens)), device=device)}
 
