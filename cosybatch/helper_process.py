@@ -112,11 +112,8 @@ class HelperProcess:
         """``fn(*args)``, computed in the child when it can (``fn`` and the arguments must
         pickle: a module-level function, a bound method of a picklable object), else here."""
         with self._lock:
-            if self._proc is not None and self._owed and self._local_until_warm and not self._answer_ready():
-                return_here = True
-            else:
-                return_here = False
-            if self._proc is not None and not return_here:
+            starting = self._proc is not None and self._owed and self._local_until_warm and not self._answer_ready()
+            if self._proc is not None and not starting:
                 try:
                     while self._owed:
                         self._receive()
@@ -133,7 +130,7 @@ class HelperProcess:
                     log.warning("%s: the helper process is gone (%s); its work runs in this process from now on",
                                 self.name, e)
                     self._stop()
-            if not return_here:
+            if not starting:
                 self.fallbacks += 1
         return fn(*args)
 
