@@ -28,11 +28,12 @@ cb="$work/venv/bin/cosybatch"
 profiles=$("$work/venv/bin/python" -c "from cosybatch.profiles import available_profiles; print(' '.join(available_profiles()))")
 run_profile() {
   set -euo pipefail
-  local profile=$1 out="$work/out-$1" n
+  local profile=$1 out="$work/out-$1" n want
   "$cb" synth "$manifest" --model "$model" --out "$out" --device cpu --profile "$profile" --quiet
   n=$(ls "$out"/*.wav | wc -l)
+  want=$(grep -cv '^\s*\(#\|$\)' "$manifest")
   echo "check_wheel: profile $profile wrote $n WAVs"
-  [ "$n" -eq "$(grep -cv '^\s*\(#\|$\)' "$manifest")" ] || { echo "check_wheel: profile $profile: expected $(grep -cv '^\s*\(#\|$\)' "$manifest")" >&2; exit 1; }
+  [ "$n" -eq "$want" ] || { echo "check_wheel: profile $profile: expected $want" >&2; exit 1; }
 }
 export -f run_profile
 export work cb manifest model
