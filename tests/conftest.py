@@ -17,7 +17,7 @@ import torch  # noqa: E402
 # interpreter tests pass whichever module a run happens to collect first. Nothing in the package
 # takes a Triton path on a CPU (each needs CUDA), so no other test changes.
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 _HERE = Path(__file__).resolve().parent
 

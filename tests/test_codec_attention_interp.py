@@ -7,8 +7,6 @@ float32 ``sdpa`` backend itself around a float64 reference, measured on the same
 follows whatever CPU kernels run here rather than a fixed figure.
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,6 @@ pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: the GPU tests run the compiled kernel", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
 pytest.importorskip("triton")
 
 from cosybatch.codec.attention import SdpaBackend, TritonBackend, make_backend  # noqa: E402

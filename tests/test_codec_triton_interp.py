@@ -6,8 +6,6 @@ evaluates in float32 with NumPy's math (no CUDA math library), so the bounds her
 reordering bounds, not the GPU tests' bit-equality.
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,6 @@ pytestmark = [pytest.mark.numeric, pytest.mark.usefixtures("one_thread")]
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: the GPU tests run the compiled kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
 pytest.importorskip("triton")
 
 from cosybatch.codec import triton_kernels as K  # noqa: E402

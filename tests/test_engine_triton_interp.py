@@ -5,8 +5,6 @@ tests/test_engine_gpu.py): the kernels against plain PyTorch, and the packed/pag
 (including enqueue-ahead decoding) for batch invariance on a small random model.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -14,7 +12,6 @@ pytestmark = [pytest.mark.numeric, pytest.mark.slow, pytest.mark.usefixtures("on
 
 if torch.cuda.is_available():
     pytest.skip("GPU present: tests/test_engine_gpu.py runs the compiled kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
 pytest.importorskip("triton")
 
 from cosybatch.models.config import LLMConfig, QwenConfig  # noqa: E402
