@@ -21,7 +21,7 @@
 #        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
-#        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2 (two keys at once)
+#        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2 (two keys at once)
 #        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
@@ -137,9 +137,10 @@ for step in "$@"; do
     c32set=*) setup; kv=${step#c32set=}; prof "c32-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --set "$kv" ;;
     c32warmset=*) setup; kv=${step#c32warmset=}; prof "c32warm-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --warm-prompts --set "$kv" ;;
     c64set=*) setup; kv=${step#c64set=}; prof "c64-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_c64 64 1088 64 --set "$kv" ;;
-    c32set2=*|c64set2=*) setup; kvs=${step#*=}; c=${step%%set2=*}
+    c32set2=*|c64set2=*|c64seedset2=*) setup; kvs=${step#*=}; c=${step%%set2=*}
       p=packed_streaming_optimized_standard; [ "$c" = c64 ] && p=packed_streaming_c64
-      prof "$c-${kvs//[^A-Za-z0-9_.-]/_}" $p ${c#c} 1088 64 --set "${kvs%%+*}" --set "${kvs#*+}" ;;
+      n=${c#c}; n=${n%seed}
+      prof "$c-${kvs//[^A-Za-z0-9_.-]/_}" $p $n 1088 64 --set "${kvs%%+*}" --set "${kvs#*+}" ;;
     timeline) setup; log "D22: serial vs deadline batching vs deadline batching + AR beside, C64 and C32"
       for c in c64 c32; do p=packed_streaming_optimized_standard; [ $c = c64 ] && p=packed_streaming_c64
         prof "$c-serial" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=null --set scheduler.ar_stream=serial

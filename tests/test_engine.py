@@ -425,6 +425,52 @@ def test_scheduler_rows_stay_compact_and_blocks_are_reserved():
     assert alloc.num_free == alloc.capacity and sch.schedule().seqs == [seqs[4]]
 
 
+def test_prefill_batching_holds_a_lone_prompt_until_more_gather_or_its_wait_ends():
+    """ar.prefill_min_rows / prefill_wait_ms: while rows decode, a prefill of fewer prompts than
+    the minimum waits (decode steps go on) until enough fit the free rows or the first has
+    waited its bound; with nothing decoding it never waits."""
+    now = [0.0]
+    sch = Scheduler(max_num_seqs=4, allocator=BlockAllocator(64), block_size=16, max_prefill_tokens=10_000,
+                    prefill_min_rows=2, prefill_wait_s=0.05, clock=lambda: now[0])
+    seqs = [_seq(i) for i in range(6)]
+    sch.add(seqs[0])
+    plan = sch.schedule()  # nothing decodes: a lone prompt goes at once
+    assert plan.kind == "prefill" and plan.seqs == [seqs[0]]
+    sch.add(seqs[1])
+    assert not sch.can_admit() and sch.schedule().kind == "decode"  # held: one prompt, a row decodes
+    now[0] = 0.03
+    assert sch.schedule().kind == "decode"
+    sch.add(seqs[2])  # two gathered: they go together, before the wait ends
+    plan = sch.schedule()
+    assert plan.kind == "prefill" and plan.seqs == [seqs[1], seqs[2]]
+    sch.add(seqs[3])
+    now[0] = 0.10  # the wait counts from when seqs[3] was first held back, not from its arrival
+    assert sch.schedule().kind == "decode"
+    now[0] = 0.14
+    assert sch.schedule().kind == "decode"
+    now[0] = 0.16
+    plan = sch.schedule()
+    assert plan.kind == "prefill" and plan.seqs == [seqs[3]]
+    sch.add(seqs[4])
+    sch.add(seqs[5])  # two waiting, no free row
+    assert sch.schedule().kind == "decode"
+    sch.finish(seqs[0])  # one free row: fewer than the minimum fit
+    assert sch.schedule().kind == "decode"
+    sch.finish(seqs[1])  # now two fit
+    plan = sch.schedule()
+    assert plan.kind == "prefill" and plan.seqs == [seqs[4], seqs[5]]
+
+
+def test_prefill_batching_keeps_tokens(lm, segments):
+    """Holding prompts back changes when rows start, never their tokens (each row's sampling
+    is its own)."""
+    reqs = [req for _, req, _, _ in segments]
+    eng = _engine(lm, max_num_seqs=3, prefill_min_rows=3, prefill_wait_ms=1e6)
+    got = run_together(eng, reqs, list(range(len(reqs))))
+    assert got == [raw for _, _, raw, _ in segments]
+    assert eng.stats.prefill_seqs / eng.stats.prefill_steps > 1
+
+
 def test_row_state_is_written_by_kernels_not_copied_from_host_scalars(lm, segments):
     """``cuda_tensor[i] = 0`` and ``cuda_tensor[rows, cols] = True`` copy a 0-dim host tensor
     to the device (``copy_``, ``index_put_``'s own ``.to``), which waits for every queued kernel

@@ -28,6 +28,8 @@ class EngineConfig:
     cuda_graphs: bool
     graph_batch_sizes: tuple[int, ...]
     graph_capture: str
+    prefill_min_rows: int
+    prefill_wait_ms: float
     # Engine-only knobs (benchmarks and tests set them; no profile does):
     # paged KV blocks (None: from kv_cache_gb, else enough for max_num_seqs rows of max_model_len)
     num_kv_blocks: int | None = None
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"executor must be auto|torch|triton, got {self.executor!r}")
         if self.linear not in ("triton", "torch"):
             raise ValueError(f"linear must be triton|torch, got {self.linear!r}")
+        if self.prefill_min_rows < 1 or self.prefill_wait_ms < 0:
+            raise ValueError(f"prefill_min_rows must be >= 1 and prefill_wait_ms >= 0: {self}")
         if self.graph_capture not in ("startup", "lazy"):
             raise ValueError(f"graph_capture must be startup|lazy, got {self.graph_capture!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -49,7 +49,8 @@ class LLMEngine:
         self.llm_cfg = lm.cfg
         self.runner = ModelRunner(self.lm, self.cfg)
         self.scheduler = Scheduler(self.cfg.max_num_seqs, BlockAllocator(self.runner.num_blocks),
-                                   self.cfg.kv_block_size, self.cfg.max_prefill_tokens)
+                                   self.cfg.kv_block_size, self.cfg.max_prefill_tokens,
+                                   self.cfg.prefill_min_rows, self.cfg.prefill_wait_ms / 1e3)
         self.stop_start = self.llm_cfg.speech_token_size
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()

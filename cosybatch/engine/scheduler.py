@@ -3,12 +3,20 @@ reserved whole at admission, running sequences kept compact in rows 0..n-1.
 
 Each engine step is either a prefill of newly admitted sequences (preferred, so new requests
 start as soon as a row and their blocks are free) or one decode step of every running row.
+
+Prefill batching (``prefill_min_rows`` > 1, design.md D29): while rows decode, a prefill of
+fewer than that many sequences waits, up to ``prefill_wait_s`` from the moment one could first
+be admitted, for more to gather. A prefill of one prompt costs the AR stream about one decode
+step of every running row, and under a steady load rows free up one at a time, so unbatched
+the prefills come one sequence each.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from cosybatch.engine.kv_cache import BlockAllocator
 from cosybatch.engine.request import Sequence, SeqStatus, blocks_for
@@ -22,13 +30,18 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, allocator: BlockAllocator, block_size: int,
-                 max_prefill_tokens: int):
+                 max_prefill_tokens: int, prefill_min_rows: int = 1, prefill_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter):
         self.max_num_seqs = max_num_seqs
         self.allocator = allocator
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_min_rows = prefill_min_rows
+        self.prefill_wait_s = prefill_wait_s
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i].row == i
+        self._held_since: float | None = None  # when a possible prefill was first held back
 
     def blocks_needed(self, seq: Sequence) -> int:
         return blocks_for(seq.max_total_len, self.block_size)
@@ -43,14 +56,31 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def can_admit(self) -> bool:
-        """Would ``schedule`` admit the head of the queue now?"""
+        """Would ``schedule`` admit the head of the queue now (prefill batching included)?"""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
-        return self.blocks_needed(self.waiting[0]) <= self.allocator.num_free
+        if self.blocks_needed(self.waiting[0]) > self.allocator.num_free:
+            return False
+        return self._prefill_now()
+
+    def _prefill_now(self) -> bool:
+        """Prefill batching (module docstring): prefill now if no row decodes, or enough
+        sequences fit the free rows, or the first that could have gone has waited long enough."""
+        if self.prefill_min_rows <= 1 or not self.running:
+            return True
+        if min(len(self.waiting), self.max_num_seqs - len(self.running)) >= self.prefill_min_rows:
+            return True
+        now = self.clock()
+        if self._held_since is None:
+            self._held_since = now
+        return now - self._held_since >= self.prefill_wait_s
 
     def schedule(self) -> StepPlan | None:
         admitted: list[Sequence] = []
         tokens = 0
+        if self.waiting and not self.can_admit():
+            return StepPlan("decode", list(self.running)) if self.running else None
+        self._held_since = None
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:

@@ -50,6 +50,12 @@ class ARProfile:
     # before the first request) or lazy (a decode bucket right after its first, eager step; a
     # prefill bucket at its second use): a run captures only what it uses (design.md D25)
     graph_capture: Literal["startup", "lazy"] = "startup"
+    # Prefill batching while rows decode (design.md D29): a prefill of fewer than this many
+    # prompts waits for more, at most prefill_wait_ms from when the first could have gone. Under
+    # a steady load rows free up one at a time, and each prefill of one prompt costs the AR
+    # stream about one decode step of every running row. 1: every prompt prefills at once.
+    prefill_min_rows: int = 1
+    prefill_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -341,6 +347,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "ar.kv_block_size": (lambda v: v >= 1, "must be >= 1"),
     "ar.kv_cache_gb": (lambda v: v is None or v > 0, "must be > 0"),
     "ar.max_prefill_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "ar.prefill_min_rows": (lambda v: v >= 1, "must be >= 1"),
+    "ar.prefill_wait_ms": (lambda v: v >= 0, "must be >= 0"),
     "ar.graph_batch_sizes": (lambda v: len(v) > 0 and all(b >= 1 for b in v), "must be a non-empty list of sizes >= 1"),
     "optimizations.hift_graph_precapture": (lambda v: all(len(p) == 2 and min(p) >= 1 for p in v),
                                             "must be a list of [requests, frames] pairs >= 1"),
