@@ -425,40 +425,41 @@ def test_scheduler_rows_stay_compact_and_blocks_are_reserved():
     assert alloc.num_free == alloc.capacity and sch.schedule().seqs == [seqs[4]]
 
 
-def test_prefill_batching_holds_a_lone_prompt_until_more_gather_or_its_wait_ends():
-    """ar.prefill_min_rows / prefill_wait_ms: while rows decode, a prefill of fewer prompts than
-    the minimum waits (decode steps go on) until enough fit the free rows or the first has
-    waited its bound; with nothing decoding it never waits."""
+def test_prefill_batching_holds_free_rows_under_a_backlog_until_enough_or_the_wait_ends():
+    """ar.prefill_min_rows / prefill_wait_ms: while rows decode and more prompts wait than rows
+    are free, the free rows are held (decode steps go on) until enough are free or the first
+    could have gone ``prefill_wait_ms`` ago; without a backlog, or with nothing decoding, a
+    prompt never waits."""
     now = [0.0]
     sch = Scheduler(max_num_seqs=4, allocator=BlockAllocator(64), block_size=16, max_prefill_tokens=10_000,
                     prefill_min_rows=2, prefill_wait_s=0.05, clock=lambda: now[0])
-    seqs = [_seq(i) for i in range(6)]
-    sch.add(seqs[0])
-    plan = sch.schedule()  # nothing decodes: a lone prompt goes at once
-    assert plan.kind == "prefill" and plan.seqs == [seqs[0]]
-    sch.add(seqs[1])
-    assert not sch.can_admit() and sch.schedule().kind == "decode"  # held: one prompt, a row decodes
-    now[0] = 0.03
+    s = [_seq(i) for i in range(9)]
+    prefill = lambda: [q.request_id for q in sch.schedule().seqs]  # noqa: E731
+    sch.add(s[0])
+    assert prefill() == ["s0"]  # nothing decodes
+    sch.add(s[1])
+    assert prefill() == ["s1"]  # one waits, three rows free: no backlog
+    for q in s[2:7]:
+        sch.add(q)
+    assert prefill() == ["s2", "s3"]  # all rows taken, three wait
+    sch.finish(s[0])  # one free row, three waiting: held
+    assert not sch.can_admit() and sch.schedule().kind == "decode"
+    now[0] = 0.04
     assert sch.schedule().kind == "decode"
-    sch.add(seqs[2])  # two gathered: they go together, before the wait ends
-    plan = sch.schedule()
-    assert plan.kind == "prefill" and plan.seqs == [seqs[1], seqs[2]]
-    sch.add(seqs[3])
-    now[0] = 0.10  # the wait counts from when seqs[3] was first held back, not from its arrival
+    sch.finish(s[1])  # two free: they go together before the wait ends
+    assert prefill() == ["s4", "s5"]
+    sch.add(s[7])
+    sch.add(s[8])
+    sch.finish(s[2])
+    now[0] = 0.10  # held from here, not from when s6 arrived
     assert sch.schedule().kind == "decode"
     now[0] = 0.14
     assert sch.schedule().kind == "decode"
     now[0] = 0.16
-    plan = sch.schedule()
-    assert plan.kind == "prefill" and plan.seqs == [seqs[3]]
-    sch.add(seqs[4])
-    sch.add(seqs[5])  # two waiting, no free row
-    assert sch.schedule().kind == "decode"
-    sch.finish(seqs[0])  # one free row: fewer than the minimum fit
-    assert sch.schedule().kind == "decode"
-    sch.finish(seqs[1])  # now two fit
-    plan = sch.schedule()
-    assert plan.kind == "prefill" and plan.seqs == [seqs[4], seqs[5]]
+    assert prefill() == ["s6"]
+    for q in list(sch.running)[:2]:
+        sch.finish(q)
+    assert prefill() == ["s7", "s8"]  # two wait, two free: no backlog
 
 
 def test_prefill_batching_keeps_tokens(lm, segments):

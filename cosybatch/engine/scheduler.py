@@ -4,11 +4,12 @@ reserved whole at admission, running sequences kept compact in rows 0..n-1.
 Each engine step is either a prefill of newly admitted sequences (preferred, so new requests
 start as soon as a row and their blocks are free) or one decode step of every running row.
 
-Prefill batching (``prefill_min_rows`` > 1, design.md D29): while rows decode, a prefill of
-fewer than that many sequences waits, up to ``prefill_wait_s`` from the moment one could first
-be admitted, for more to gather. A prefill of one prompt costs the AR stream about one decode
-step of every running row, and under a steady load rows free up one at a time, so unbatched
-the prefills come one sequence each.
+Prefill batching (``prefill_min_rows`` > 1, design.md D29): while rows decode and more
+sequences wait than rows are free, a free row waits, up to ``prefill_wait_s`` from the moment
+one could first be admitted, until ``prefill_min_rows`` are free to prefill together. A prefill
+of one prompt costs the AR stream about one decode step of every running row, and under a
+backlog rows free up one at a time, so unbatched the prefills come one sequence each. Without
+a backlog (no more requests than rows) nothing is held: the rows would not fill anyway.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ class Scheduler:
         return self._prefill_now()
 
     def _prefill_now(self) -> bool:
-        """Prefill batching (module docstring): prefill now if no row decodes, or enough
-        sequences fit the free rows, or the first that could have gone has waited long enough."""
-        if self.prefill_min_rows <= 1 or not self.running:
-            return True
-        if min(len(self.waiting), self.max_num_seqs - len(self.running)) >= self.prefill_min_rows:
+        """Prefill batching (module docstring): prefill now if no row decodes, or no more
+        sequences wait than rows are free (no backlog: holding a row would only delay them), or
+        enough rows are free, or the first that could have gone has waited long enough."""
+        free = self.max_num_seqs - len(self.running)
+        if (self.prefill_min_rows <= 1 or not self.running or len(self.waiting) <= free
+                or free >= self.prefill_min_rows):
             return True
         now = self.clock()
         if self._held_since is None:
