@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--eager-batches", default="1,64,256")
     ap.add_argument("--cublas-batches", default="64,256")
+    ap.add_argument("--rope-batches", default="16,32,64",
+                    help="graphs+triton with RoPE inside the decode attention kernel (ar.rope_in_attention)")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, to check the script")
@@ -108,14 +110,16 @@ def main() -> None:
         cfg = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, intermediate_size=128),
                         llm_input_size=64, llm_output_size=64)
-        a.batches, a.eager_batches, a.cublas_batches, a.gen = "1,4", "", "", 8
+        a.batches, a.eager_batches, a.cublas_batches, a.rope_batches, a.gen = "1,4", "", "", "4", 8
     t0 = time.time()
     lm = random_lm(cfg, seed=0, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     print(f"model built in {time.time() - t0:.1f}s", flush=True)
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "runs": []}
     plans = [("graphs+triton", dict(cuda_graphs=True, linear="triton"), a.batches),
              ("eager+triton", dict(cuda_graphs=False, linear="triton"), a.eager_batches),
-             ("graphs+cublas", dict(cuda_graphs=True, linear="torch"), a.cublas_batches)]
+             ("graphs+cublas", dict(cuda_graphs=True, linear="torch"), a.cublas_batches),
+             ("graphs+triton+rope_in_attention", dict(cuda_graphs=True, linear="triton", rope_in_attention=True),
+              a.rope_batches)]
     for name, kw, batches in plans:
         bl = [int(x) for x in batches.split(",") if x]
         if not bl:

@@ -164,6 +164,16 @@ def test_lazy_capture_gives_the_same_tokens_and_captures_only_what_runs(big_lm, 
     assert modes and set(modes.values()) == {"step"} and set(modes) <= set(buckets)
 
 
+def test_rope_in_attention_gives_the_same_tokens_graphed(big_lm, reqs, alone_tokens):
+    """``ar.rope_in_attention``: RoPE and the K/V cache write inside the decode attention kernel
+    (design.md D30), graphed; a row's tokens are those of the two separate kernels."""
+    eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True)
+    assert eng.runner.executor.rope_in_attention
+    got = run_together(eng, reqs, list(range(len(reqs))))
+    _free(eng)
+    assert got == alone_tokens
+
+
 def test_graphed_prefill_equals_eager_bits(big_lm, reqs):
     eng = _engine(big_lm, max_num_seqs=16)
     pg = eng.runner.prefill_graphs

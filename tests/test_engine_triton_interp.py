@@ -72,6 +72,32 @@ def test_rope_cache_and_paged_attention_match_torch():
     assert (out - ref.transpose(0, 1).reshape(t, -1)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_attention_is_rope_cache_then_paged_attention_bit_for_bit(dtype):
+    """A decode step's fused launch (ar.rope_in_attention) stores the same key and value in the
+    same slots and returns the same attention output, bit for bit, as the two kernels it
+    replaces, for rows at different positions in scattered blocks (a row's first token, one at
+    a block's last slot, one starting a new block)."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, bs, nb = 6, 2, 16, 16, 12
+    pos = torch.tensor([0, 15, 16, 37])
+    tables = torch.tensor([[3, 0, 0], [7, 0, 0], [1, 9, 0], [4, 11, 2]], dtype=torch.int32)
+    slots = torch.stack([tables[r, p // bs].long() * bs + p % bs for r, p in enumerate(pos.tolist())])
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(64).float()[:, None] * inv
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    qkv = torch.randn(4, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    cache = torch.randn(2, nb, bs, hkv, d, generator=g).to(dtype)  # earlier tokens' keys and values
+    rows = torch.arange(4)
+    kc, vc = cache[0].clone(), cache[1].clone()
+    q = K.rope_cache(qkv, pos, slots, cos, sin, kc.view(-1, hkv, d), vc.view(-1, hkv, d), hq, hkv, d)
+    want = K.paged_attention(q, kc, vc, tables, rows, pos, d ** -0.5)
+    kf, vf = cache[0].clone(), cache[1].clone()
+    got = K.rope_paged_attention(qkv, pos, slots, cos, sin, kf, vf, tables, rows, d ** -0.5, hq, hkv, d)
+    assert torch.equal(kf, kc) and torch.equal(vf, vc)
+    assert torch.equal(got, want)
+
+
 # The interpreter runs every program of a launch in Python, so the cost is the number of tile
 # programs times the decode steps: a 256-token speech vocabulary (the head's 456 rows are 15
 # decode tiles, not 6761 rows in 106) and short rows keep the engine test at a fifth of its cost
@@ -90,9 +116,9 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
              SamplingParams.standard(0.8, 0.9, 30, 1.3, seed=i, enforce_min_len=True))
         reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 200 + i], params=p))
 
-    def engine(n):
+    def engine(n, **kw):
         return LLMEngine(lm, engine_config(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
-                                          max_token_text_ratio=4))
+                                          max_token_text_ratio=4, **kw))
 
     alone = []
     e1 = engine(1)
@@ -107,3 +133,9 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     assert [e4.seqs[f"r{i}"].tokens for i in range(6)] == alone
     assert [len(alone[i]) for i in (1, 3, 5)] == [5, 7, 9]
     assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0
+    fused = engine(4, rope_in_attention=True)  # one launch for RoPE and attention in decode
+    assert fused.runner.executor.rope_in_attention
+    for i in (3, 0, 5, 1, 2, 4):
+        fused.add_request(**reqs[i], request_id=f"r{i}")
+    fused.run()
+    assert [fused.seqs[f"r{i}"].tokens for i in range(6)] == alone

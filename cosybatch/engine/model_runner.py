@@ -71,7 +71,7 @@ class ModelRunner:
             from cosybatch.engine.triton_executor import TritonExecutor
 
             self.executor = TritonExecutor(lm, self.cache, self.rows, self.vocab_padded, self.dtype,
-                                           cfg.linear)
+                                           cfg.linear, cfg.rope_in_attention)
         # rows are sampled one at a time off-GPU: CPU kernels split work by tensor size, so a
         # batched elementwise op could round a row differently from the same row alone
         self._rowwise = self.device.type != "cuda"

@@ -36,7 +36,7 @@ class TritonExecutor:
     graphable = True
 
     def __init__(self, lm: CosyVoice3LM, cache: PagedKVCache, rows, vocab_padded: int,
-                 dtype: torch.dtype, linear: str = "triton"):
+                 dtype: torch.dtype, linear: str = "triton", rope_in_attention: bool = False):
         q = lm.cfg.qwen
         self.cache = cache
         self.rows = rows
@@ -46,6 +46,7 @@ class TritonExecutor:
         self.eps = q.rms_norm_eps
         self.scale = self.d ** -0.5
         self.linear_impl = linear
+        self.rope_in_attention = rope_in_attention
         if cache.block_size < 16 or cache.block_size & (cache.block_size - 1):
             raise ValueError("the triton executor needs a power-of-two kv_block_size >= 16")
 
@@ -99,8 +100,12 @@ class TritonExecutor:
             kc, vc = self.cache.k[i], self.cache.v[i]
             k_slots, v_slots = self.cache.flat_slots(i)
             qkv = self._mm(h, L.w_qkv, L.b_qkv, phase)
-            q = K.rope_cache(qkv, pos, slots, self.cos, self.sin, k_slots, v_slots, self.hq, self.hkv, self.d)
-            a = K.paged_attention(q, kc, vc, bt, tok_rows, pos, self.scale)
+            if phase == "decode" and self.rope_in_attention:  # one query per row: one launch
+                a = K.rope_paged_attention(qkv, pos, slots, self.cos, self.sin, kc, vc, bt, tok_rows, self.scale,
+                                           self.hq, self.hkv, self.d)
+            else:
+                q = K.rope_cache(qkv, pos, slots, self.cos, self.sin, k_slots, v_slots, self.hq, self.hkv, self.d)
+                a = K.paged_attention(q, kc, vc, bt, tok_rows, pos, self.scale)
             h, res = K.add_rmsnorm(self._mm(a, L.w_o, None, phase), res, L.ln2, self.eps)
             mlp = self._mm(K.silu_mul(self._mm(h, L.w_gu, None, phase)), L.w_down, None, phase)
             nxt = self.layers[i + 1].ln1 if i + 1 < n else self.norm

@@ -10,6 +10,10 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``paged_attention``: one program per (query token, kv head); the GQA group of query heads is
   one tile; keys are visited block by block in position order with an online softmax.
 * ``silu_mul``: silu(gate) * up.
+* ``rope_paged_attention``: a decode step's ``rope_cache`` and ``paged_attention`` in one launch
+  (one token per row: each (token, kv head) program ropes its own query group and key, writes
+  the key and value into the cache, then attends). The same operations in the same order, so
+  the same bits, one launch fewer per layer (design.md D30).
 """
 
 from __future__ import annotations
@@ -216,6 +220,92 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr,
     out = acc / l_i[:, None]
     tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _rope_paged_attn_kernel(qkv_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr,
+                            out_ptr, scale, stride_qkv, stride_cs, stride_qt, stride_qh, stride_kb, stride_ks,
+                            stride_kh, stride_bt, stride_ot, HQ: tl.constexpr, GROUP: tl.constexpr,
+                            G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr,
+                            HALF_P: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # rope_cache's arithmetic for this program's query group and key, stored where the separate
+    # kernels store them: the key and value into this token's cache slot, the query into q
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    src = qkv_ptr + t * stride_qkv
+    g = tl.arange(0, G_P)
+    g_ok = g < GROUP
+    qh = kvh * GROUP + g
+    mq = g_ok[:, None] & j_ok[None, :]
+    a = tl.load(src + qh[:, None] * D + j[None, :], mask=mq, other=0.0).to(tl.float32)
+    b = tl.load(src + qh[:, None] * D + HALF + j[None, :], mask=mq, other=0.0).to(tl.float32)
+    qo = q_ptr + t * stride_qt + qh[:, None] * stride_qh + j[None, :]
+    tl.store(qo, (a * c - b * s).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(qo + HALF, (b * c + a * s).to(q_ptr.dtype.element_ty), mask=mq)
+    ks = src + HQ * D + kvh * D
+    a = tl.load(ks + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    b = tl.load(ks + HALF + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    # the slot's address through the block layout the attention reads (block, offset, head)
+    dst = (slot // BS) * stride_kb + (slot % BS) * stride_ks + kvh * stride_kh
+    tl.store(kc_ptr + dst + j[None, :], (a * c - b * s).to(kc_ptr.dtype.element_ty), mask=j_ok[None, :])
+    tl.store(kc_ptr + dst + HALF + j[None, :], (b * c + a * s).to(kc_ptr.dtype.element_ty), mask=j_ok[None, :])
+    d = tl.arange(0, D_P)
+    d_ok = d < D
+    v = tl.load(src + (HQ + (HQ // GROUP)) * D + kvh * D + d, mask=d_ok, other=0.0)
+    tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty), mask=d_ok)
+    # every thread of the program sees the stores above before reading them back
+    tl.debug_barrier()
+    # paged_attention's loop, unchanged
+    row = tl.load(row_ptr + t)
+    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D_P], tl.float32)
+    n = tl.arange(0, BS)
+    for blk_i in range(0, pos // BS + 1):
+        blk = tl.load(bt_ptr + row * stride_bt + blk_i).to(tl.int64)
+        off = blk * stride_kb + n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_ok[None, :], other=0.0)
+        vv = tl.load(vc_ptr + off, mask=d_ok[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        sc = tl.where((blk_i * BS + n)[None, :] <= pos, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def rope_paged_attention(qkv, pos, slots, cos, sin, k_cache, v_cache, block_tables, tok_rows, scale: float,
+                         hq: int, hkv: int, d: int):
+    """``rope_cache`` then ``paged_attention`` for tokens that are each their row's only query
+    (a decode step): the same results, bit for bit, from one launch. qkv [T, (hq+2hkv)*d];
+    k/v_cache [num_blocks, bs, hkv, d] (written at ``slots``) -> [T, hq*d]."""
+    import torch
+
+    t = qkv.shape[0]
+    nb, bs, _, _ = k_cache.shape
+    group = hq // hkv
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty(t, hq * d, dtype=qkv.dtype, device=qkv.device)
+    _rope_paged_attn_kernel[(t, hkv)](qkv, slots, cos, sin, q, k_cache, v_cache, block_tables, tok_rows, pos, out,
+                                      scale, qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                      block_tables.stride(0), out.stride(0), HQ=hq, GROUP=group,
+                                      G_P=_pow2(group, 16), D=d, D_P=_pow2(d, 16), HALF=d // 2,
+                                      HALF_P=_pow2(d // 2, 2), BS=bs, PREC=_prec(qkv.dtype), num_warps=4)
+    return out
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, tok_rows, pos, scale: float):

@@ -56,6 +56,9 @@ class ARProfile:
     # stream about one decode step of every running row. 1: every prompt prefills at once.
     prefill_min_rows: int = 1
     prefill_wait_ms: float = 0.0
+    # triton executor, decode: RoPE and the K/V cache write inside the attention kernel, one
+    # launch fewer per layer with the same bits (design.md D30); off until measured on a GPU
+    rope_in_attention: bool = False
 
 
 @dataclass(frozen=True)
