@@ -185,21 +185,12 @@ def rope_cache(qkv, pos, slots, cos, sin, k_slots, v_slots, hq: int, hkv: int, d
 
 
 @triton.jit
-def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr, scale,
-                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
-                       GROUP: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                       BS: tl.constexpr, PREC: tl.constexpr):
-    t = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pos = tl.load(pos_ptr + t)
-    row = tl.load(row_ptr + t)
-    g = tl.arange(0, G_P)
+def _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
+            G_P: tl.constexpr, D_P: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """One query group [G_P, D_P] against keys 0..pos of its row, block by block in position
+    order with an online softmax -> [G_P, D_P] float32."""
     d = tl.arange(0, D_P)
-    g_ok = g < GROUP
     d_ok = d < D
-    qh = kvh * GROUP + g
-    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
     acc = tl.zeros([G_P, D_P], tl.float32)
@@ -217,7 +208,27 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    out = acc / l_i[:, None]
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr, scale,
+                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
+                       GROUP: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       BS: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    row = tl.load(row_ptr + t)
+    g = tl.arange(0, G_P)
+    d = tl.arange(0, D_P)
+    g_ok = g < GROUP
+    d_ok = d < D
+    qh = kvh * GROUP + g
+    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    out = _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
+                  G_P, D_P, BS, D, PREC)
     tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & d_ok[None, :])
 
@@ -261,28 +272,12 @@ def _rope_paged_attn_kernel(qkv_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, 
     tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty), mask=d_ok)
     # every thread of the program sees the stores above before reading them back
     tl.debug_barrier()
-    # paged_attention's loop, unchanged
+    # paged_attention's work, unchanged
     row = tl.load(row_ptr + t)
     q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.full([G_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_P], tl.float32)
-    acc = tl.zeros([G_P, D_P], tl.float32)
-    n = tl.arange(0, BS)
-    for blk_i in range(0, pos // BS + 1):
-        blk = tl.load(bt_ptr + row * stride_bt + blk_i).to(tl.int64)
-        off = blk * stride_kb + n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(kc_ptr + off, mask=d_ok[None, :], other=0.0)
-        vv = tl.load(vc_ptr + off, mask=d_ok[None, :], other=0.0)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        sc = tl.where((blk_i * BS + n)[None, :] <= pos, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
-        m_i = m_new
-    out = acc / l_i[:, None]
+    out = _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
+                  G_P, D_P, BS, D, PREC)
     tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & d_ok[None, :])
 
@@ -295,9 +290,9 @@ def rope_paged_attention(qkv, pos, slots, cos, sin, k_cache, v_cache, block_tabl
     import torch
 
     t = qkv.shape[0]
-    nb, bs, _, _ = k_cache.shape
+    bs = k_cache.shape[1]
     group = hq // hkv
-    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)  # scratch: the program reads back its group
     out = torch.empty(t, hq * d, dtype=qkv.dtype, device=qkv.device)
     _rope_paged_attn_kernel[(t, hkv)](qkv, slots, cos, sin, q, k_cache, v_cache, block_tables, tok_rows, pos, out,
                                       scale, qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
