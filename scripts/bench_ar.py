@@ -96,8 +96,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--eager-batches", default="1,64,256")
     ap.add_argument("--cublas-batches", default="64,256")
-    ap.add_argument("--rope-batches", default="16,32,64",
-                    help="graphs+triton with RoPE inside the decode attention kernel (ar.rope_in_attention)")
+    ap.add_argument("--variant-batches", default="16,32,64",
+                    help="graphs+triton with RoPE inside the decode attention kernel (ar.rope_in_attention), "
+                         "and with the sampler's random numbers from torch's ops instead of one kernel")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, to check the script")
@@ -110,7 +111,7 @@ def main() -> None:
         cfg = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, intermediate_size=128),
                         llm_input_size=64, llm_output_size=64)
-        a.batches, a.eager_batches, a.cublas_batches, a.rope_batches, a.gen = "1,4", "", "", "4", 8
+        a.batches, a.eager_batches, a.cublas_batches, a.variant_batches, a.gen = "1,4", "", "", "4", 8
     t0 = time.time()
     lm = random_lm(cfg, seed=0, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     print(f"model built in {time.time() - t0:.1f}s", flush=True)
@@ -119,7 +120,9 @@ def main() -> None:
              ("eager+triton", dict(cuda_graphs=False, linear="triton"), a.eager_batches),
              ("graphs+cublas", dict(cuda_graphs=True, linear="torch"), a.cublas_batches),
              ("graphs+triton+rope_in_attention", dict(cuda_graphs=True, linear="triton", rope_in_attention=True),
-              a.rope_batches)]
+              a.variant_batches),
+             ("graphs+triton, torch rng", dict(cuda_graphs=True, linear="triton", rng_kernel=False),
+              a.variant_batches)]
     for name, kw, batches in plans:
         bl = [int(x) for x in batches.split(",") if x]
         if not bl:

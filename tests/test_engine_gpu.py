@@ -164,11 +164,26 @@ def test_lazy_capture_gives_the_same_tokens_and_captures_only_what_runs(big_lm, 
     assert modes and set(modes.values()) == {"step"} and set(modes) <= set(buckets)
 
 
+def test_uniforms_kernel_is_the_torch_hash_on_cuda():
+    """The sampler's random numbers from one Triton launch equal ``engine.rng``'s int64 tensor
+    ops on the GPU, bit for bit."""
+    from cosybatch.engine.rng import split_seed, uniforms
+
+    g = random.Random(1)
+    seeds = [g.randrange(2**63) for _ in range(300)] + [0, 2**32 - 1, 2**63 - 1]
+    lo = torch.tensor([split_seed(s)[0] for s in seeds], device=DEV)
+    hi = torch.tensor([split_seed(s)[1] for s in seeds], device=DEV)
+    step = torch.tensor([g.randrange(5000) for _ in seeds], device=DEV)
+    step[0] = 2**32 + 7
+    assert torch.equal(K.uniforms(lo, hi, step, 2), uniforms(lo, hi, step, 2))
+
+
 def test_rope_in_attention_gives_the_same_tokens_graphed(big_lm, reqs, alone_tokens):
     """``ar.rope_in_attention``: RoPE and the K/V cache write inside the decode attention kernel
-    (design.md D30), graphed; a row's tokens are those of the two separate kernels."""
-    eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True)
-    assert eng.runner.executor.rope_in_attention
+    (design.md D30), graphed, and the sampler's random numbers from torch's ops instead of the
+    Triton kernel (``rng_kernel``, on in ``alone_tokens``): a row's tokens do not change."""
+    eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True, rng_kernel=False)
+    assert eng.runner.executor.rope_in_attention and eng.runner.sampler.uniforms is not K.uniforms
     got = run_together(eng, reqs, list(range(len(reqs))))
     _free(eng)
     assert got == alone_tokens

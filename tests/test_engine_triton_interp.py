@@ -98,6 +98,24 @@ def test_rope_in_attention_is_rope_cache_then_paged_attention_bit_for_bit(dtype)
     assert torch.equal(got, want)
 
 
+def test_uniforms_kernel_is_the_torch_hash_bit_for_bit():
+    """The sampler's random numbers from one launch (``K.uniforms``) equal ``engine.rng``'s
+    tensor ops for every row and draw: seeds across the 64-bit range and the word boundaries,
+    token indices small and past 2**32 (the hash reads their low 32 bits)."""
+    import random
+
+    from cosybatch.engine.rng import split_seed, uniforms
+
+    g = random.Random(0)
+    seeds = [g.randrange(2**63) for _ in range(45)] + [0, 1, 2**32 - 1, 2**32, 2**63 - 1]
+    lo = torch.tensor([split_seed(s)[0] for s in seeds])
+    hi = torch.tensor([split_seed(s)[1] for s in seeds])
+    step = torch.tensor([g.randrange(5000) for _ in seeds])
+    step[:3] = torch.tensor([0, 2**32 + 7, 2**40 - 1])
+    for draws in (1, 2, 3):
+        assert torch.equal(K.uniforms(lo, hi, step, draws), uniforms(lo, hi, step, draws))
+
+
 # The interpreter runs every program of a launch in Python, so the cost is the number of tile
 # programs times the decode steps: a 256-token speech vocabulary (the head's 456 rows are 15
 # decode tiles, not 6761 rows in 106) and short rows keep the engine test at a fifth of its cost
@@ -133,8 +151,11 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     assert [e4.seqs[f"r{i}"].tokens for i in range(6)] == alone
     assert [len(alone[i]) for i in (1, 3, 5)] == [5, 7, 9]
     assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0
-    fused = engine(4, rope_in_attention=True)  # one launch for RoPE and attention in decode
-    assert fused.runner.executor.rope_in_attention
+    # one launch for RoPE and attention in decode; the sampler's random numbers from torch's ops
+    # (the runs above drew them from the Triton kernel): the same tokens either way
+    fused = engine(4, rope_in_attention=True, rng_kernel=False)
+    assert fused.runner.executor.rope_in_attention and e4.runner.sampler.uniforms is K.uniforms
+    assert fused.runner.sampler.uniforms is not K.uniforms
     for i in (3, 0, 5, 1, 2, 4):
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from cosybatch.gpu.cuda_graphs import GraphPool
+from cosybatch.engine import rng
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
 from cosybatch.engine.prefill_graphs import PrefillGraphs, token_buckets
@@ -61,8 +62,11 @@ class ModelRunner:
         self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
         # one more row than decode uses: the scratch row that a graphed prefill's padding reads
         self.rows = DecodeRows(self.num_rows + 1, self.max_blocks, self.device)
+        uniforms = rng.uniforms
+        if executor == "triton" and cfg.rng_kernel:  # the same bits from one launch, not ~170
+            from cosybatch.engine.triton_kernels import uniforms
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
-                                    lm.cfg.sos, cfg.max_model_len, self.device)
+                                    lm.cfg.sos, cfg.max_model_len, self.device, uniforms)
         if executor == "torch":
             from cosybatch.engine.torch_executor import TorchExecutor
 

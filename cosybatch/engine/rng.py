@@ -32,10 +32,21 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 def hash32(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, draw: int) -> torch.Tensor:
     """int64 tensors (broadcastable) -> int64 values in [0, 2**32)."""
-    h = _mix((step & _M32) ^ ((draw * _GOLD + 0x5BD1E995) & _M32))
+    h = _mix((step & _M32) ^ draw_salt(draw))
     h = _mix(h ^ seed_hi)
     h = _mix((h + _GOLD) & _M32 ^ seed_lo)
     return h
+
+
+def draw_salt(draw: int) -> int:
+    """The 32-bit word that separates draw ``draw``'s hash from the others'."""
+    return (draw * _GOLD + 0x5BD1E995) & _M32
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, draws: int) -> torch.Tensor:
+    """[n] int64 each -> [n, draws] float64: ``uniform`` for draws 0..draws-1 (the torch form of
+    ``engine.triton_kernels.uniforms``, which gives the same bits in one launch)."""
+    return torch.stack([uniform(seed_lo, seed_hi, step, d) for d in range(draws)], 1)
 
 
 def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, draw: int) -> torch.Tensor:

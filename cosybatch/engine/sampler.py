@@ -4,7 +4,8 @@ Batch invariance by construction: every step of the draw is either elementwise, 
 reduction (max, integer sums) or a permutation (stable sort). Probabilities are turned into
 fixed-point integers (``exp(score - max) * 2**40``, floored) so that every cumulative sum is an
 exact int64 sum whose value cannot depend on the reduction order a kernel picks for a batch
-shape. Random numbers come from ``rng.uniform(seed, token index, draw)``.
+shape. Random numbers come from ``rng.uniform(seed, token index, draw)`` (with the Triton
+executor from ``triton_kernels.uniforms``, one launch with the same bits).
 
 RAS (``cosyvoice.utils.common.ras_sampling``): sort the probabilities (stable, descending), keep
 while the running sum before a token is < top_p and fewer than top_k are kept (the first token
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from cosybatch.engine.request import SamplingParams
-from cosybatch.engine.rng import split_seed, uniform
+from cosybatch.engine.rng import split_seed, uniforms
 from cosybatch.gpu.hostcopy import copy_in
 
 _FIXED_ONE = float(2**40)  # fixed-point scale; sums of <= 2**13 such values fit int64 exactly
@@ -46,12 +47,14 @@ class SamplerState:
     drawn tokens."""
 
     def __init__(self, num_rows: int, vocab: int, stop_start: int, sos: int, history_len: int,
-                 device: torch.device):
+                 device: torch.device, uniforms=uniforms):
         self.vocab = vocab
         self.vocab_padded = padded_vocab(vocab)
         self.stop_start = stop_start
         self.sos = sos
         self.device = device
+        # engine.rng.uniforms, or a kernel that gives the same bits (engine.triton_kernels.uniforms)
+        self.uniforms = uniforms
         self.params = torch.zeros(num_rows, len(_COLS), dtype=torch.float64, device=device)
         self.history = torch.zeros(num_rows, history_len, dtype=torch.long, device=device)
         self.seen = torch.zeros(num_rows, self.vocab_padded, dtype=torch.bool, device=device)
@@ -139,7 +142,8 @@ class SamplerState:
         n_kept = kept.sum(1, keepdim=True)
         kept_total = incl.gather(1, n_kept - 1)
         lo, hi = p[:, _C["seed_lo"]].long(), p[:, _C["seed_hi"]].long()
-        t1 = torch.floor(uniform(lo, hi, n_gen, 0).unsqueeze(1) * kept_total.double()).long()
+        u = self.uniforms(lo, hi, n_gen, 2)  # [n, 2]: this token's draws 0 and 1
+        t1 = torch.floor(u[:, :1] * kept_total.double()).long()
         r1 = torch.minimum(((incl <= t1) & kept).sum(1, keepdim=True), n_kept - 1)
         tok1 = order.gather(1, r1)
 
@@ -153,7 +157,7 @@ class SamplerState:
         q2 = q.masked_fill(col == tok1, 0)
         incl2 = q2.cumsum(1)
         total2 = incl2[:, -1:]
-        t2 = torch.floor(uniform(lo, hi, n_gen, 1).unsqueeze(1) * total2.double()).long()
+        t2 = torch.floor(u[:, 1:] * total2.double()).long()
         tok2 = (incl2 <= t2).sum(1, keepdim=True)
         # nothing else has any mass left: the official multinomial would still pick the runner-up
         tok2 = torch.where(total2 > 0, tok2, order[:, 1:2]).clamp(max=self.vocab - 1)

@@ -10,6 +10,9 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``paged_attention``: one program per (query token, kv head); the GQA group of query heads is
   one tile; keys are visited block by block in position order with an online softmax.
 * ``silu_mul``: silu(gate) * up.
+* ``uniforms``: the sampler's counter-based random numbers (``engine.rng``) for every row and
+  draw in one launch, with the same int64 operations: integer-exact, so the same bits as the
+  ~170 small tensor ops of the torch form.
 * ``rope_paged_attention``: a decode step's ``rope_cache`` and ``paged_attention`` in one launch
   (one token per row: each (token, kv head) program ropes its own query group and key, writes
   the key and value into the cache, then attends). The same operations in the same order, so
@@ -343,4 +346,53 @@ def silu_mul(gu):
     out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
     block = min(1024, _pow2(i))
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ rng
+
+
+@triton.jit
+def _mix(x):
+    # engine.rng._mix, the same int64 operations (values < 2**32, products < 2**62)
+    x = x ^ (x >> 16)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _hash32(lo, hi, step, salt: tl.constexpr):
+    h = _mix((step & 0xFFFFFFFF) ^ salt)
+    h = _mix(h ^ hi)
+    return _mix(((h + 0x1E3779B9) & 0xFFFFFFFF) ^ lo)
+
+
+@triton.jit
+def _uniforms_kernel(lo_ptr, hi_ptr, step_ptr, out_ptr, n, DRAWS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    lo = tl.load(lo_ptr + i, mask=ok, other=0)
+    hi = tl.load(hi_ptr + i, mask=ok, other=0)
+    step = tl.load(step_ptr + i, mask=ok, other=0)
+    for d in tl.static_range(DRAWS):
+        # engine.rng.draw_salt(2d) and (2d + 1)
+        a = _hash32(lo, hi, step, ((2 * d) * 0x1E3779B9 + 0x5BD1E995) & 0xFFFFFFFF) >> 5  # 27 bits
+        b = _hash32(lo, hi, step, ((2 * d + 1) * 0x1E3779B9 + 0x5BD1E995) & 0xFFFFFFFF) >> 6  # 26 bits
+        v = ((a << 26) + b).to(tl.float64) * 1.1102230246251565e-16  # 2**-53
+        tl.store(out_ptr + i * DRAWS + d, v, mask=ok)
+
+
+def uniforms(seed_lo, seed_hi, step, draws: int):
+    """``engine.rng.uniforms`` in one launch: [n] int64 each -> [n, draws] float64."""
+    import torch
+
+    n = step.shape[0]
+    out = torch.empty(n, draws, dtype=torch.float64, device=step.device)
+    block = min(1024, _pow2(n, 16))
+    _uniforms_kernel[(triton.cdiv(n, block),)](seed_lo.contiguous(), seed_hi.contiguous(), step.contiguous(),
+                                               out, n, DRAWS=draws, BLOCK=block)
     return out
