@@ -37,7 +37,7 @@ class EngineConfig:
     # prefills of at most this many packed tokens replay a graph per token bucket (0: eager)
     prefill_graph_tokens: int = 4096
     # triton executor: the sampler's random numbers from one kernel (engine.triton_kernels.uniforms,
-    # the same bits as engine.rng's tensor ops, which a decode step otherwise launches ~170 of)
+    # the same bits as engine.rng's tensor ops, which a decode step otherwise launches 185 of)
     rng_kernel: bool = True
     # official CosyVoice3LM.inference ratios (not in the yaml)
     min_token_text_ratio: float = 2.0

@@ -63,7 +63,7 @@ class ModelRunner:
         # one more row than decode uses: the scratch row that a graphed prefill's padding reads
         self.rows = DecodeRows(self.num_rows + 1, self.max_blocks, self.device)
         uniforms = rng.uniforms
-        if executor == "triton" and cfg.rng_kernel:  # the same bits from one launch, not ~170
+        if executor == "triton" and cfg.rng_kernel:  # the same bits from one launch, not 185
             from cosybatch.engine.triton_kernels import uniforms
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
                                     lm.cfg.sos, cfg.max_model_len, self.device, uniforms)

@@ -12,7 +12,7 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``silu_mul``: silu(gate) * up.
 * ``uniforms``: the sampler's counter-based random numbers (``engine.rng``) for every row and
   draw in one launch, with the same int64 operations: integer-exact, so the same bits as the
-  ~170 small tensor ops of the torch form.
+  185 small tensor ops of the torch form.
 * ``rope_paged_attention``: a decode step's ``rope_cache`` and ``paged_attention`` in one launch
   (one token per row: each (token, kv head) program ropes its own query group and key, writes
   the key and value into the cache, then attends). The same operations in the same order, so
