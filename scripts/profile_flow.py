@@ -167,7 +167,13 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
         runner.release(("prof", i))
     depth = len(blocks)
     full, single = _launches(prof, cuda), _launches(one, cuda)
-    per = {k: (n - single.get(k, (0, 0))[0], t - single.get(k, (0, 0))[1]) for k, (n, t) in full.items()}
+    # Over the kernels of both steps: a per-step op can launch another kernel variant with one
+    # block than with all (an elementwise op over the [layers, ...] key and slot tables that
+    # broadcasts only when there are several), and a kernel seen only in the one-block step must
+    # be subtracted too, or each such adds 1 / (depth - 1) to the count (10.05 for 10).
+    zero = (0, 0)
+    per = {k: (full.get(k, zero)[0] - single.get(k, zero)[0], full.get(k, zero)[1] - single.get(k, zero)[1])
+           for k in full.keys() | single.keys()}
     per = {k: (n / (depth - 1), t / (depth - 1)) for k, (n, t) in per.items() if n}
     out["kernels_per_layer"] = sum(n for n, _ in per.values())
     out["layer_ms"] = sum(t for _, t in per.values()) / 1e3
