@@ -167,7 +167,9 @@ def _cuda_ff1(rec: _Recorder, ff1):
 
 def census(runner, solve, cuda: bool = True) -> Census:
     """Run one Euler step of ``solve`` (a ``FlowSolve`` of ``runner`` with steps left) and
-    return its kernel census. ``cuda``: count the CUDA side of the device branches (above)."""
+    return its kernel census. ``cuda``: count the CUDA side of the device branches (above). The
+    step must run its ops: eager, or a graph bucket whose capture is a stand-in that replays the
+    step (a CUDA graph's replay issues no op to count)."""
     t = runner.tables
     rec = _Recorder()
     saved = {k: getattr(t, k) for k in ("pre", "qkv", "post")}
