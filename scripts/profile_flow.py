@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_codec import build_flow, make_rows  # noqa: E402
+from flow_census import census  # noqa: E402
 
 from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner  # noqa: E402
 from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
@@ -157,13 +158,22 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
             sync()
     finally:
         runner.tables.blocks = blocks
-    solve.step(runner.n_steps - 3)
+    # The same step's launches as the ops issue them (flow_census): what the profiler counts
+    # beyond these per layer is launched inside ops (a library's own kernels).
+    counted = census(runner, solve) if solve.steps_left else None
+    solve.step(solve.steps_left)
     solve.finish()
     for i in range(len(rows)):
         runner.release(("prof", i))
     depth = len(blocks)
     full, single = _launches(prof, cuda), _launches(one, cuda)
-    per = {k: (n - single.get(k, (0, 0))[0], t - single.get(k, (0, 0))[1]) for k, (n, t) in full.items()}
+    # Over the kernels of both steps: a per-step op can launch another kernel variant with one
+    # block than with all (an elementwise op over the [layers, ...] key and slot tables that
+    # broadcasts only when there are several), and a kernel seen only in the one-block step must
+    # be subtracted too, or each such adds 1 / (depth - 1) to the count (10.05 for 10).
+    zero = (0, 0)
+    per = {k: (full.get(k, zero)[0] - single.get(k, zero)[0], full.get(k, zero)[1] - single.get(k, zero)[1])
+           for k in full.keys() | single.keys()}
     per = {k: (n / (depth - 1), t / (depth - 1)) for k, (n, t) in per.items() if n}
     out["kernels_per_layer"] = sum(n for n, _ in per.values())
     out["layer_ms"] = sum(t for _, t in per.values()) / 1e3
@@ -173,6 +183,10 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
           f"{out['step_launches']} launches per step)", flush=True)
     for r in out["per_layer"]:
         print(f"    x{r['count']:4.2f} {r['us']:8.1f} us  {r['kernel'][:100]}", flush=True)
+    if counted is not None:
+        out["census_per_layer"] = counted.per_layer()
+        out["census_step_launches"] = counted.total
+        print(counted.format(what), flush=True)
     return out
 
 
@@ -259,8 +273,12 @@ def main(argv=None):
         print("| | " + " | ".join(prof) + " |")
         print("|---|" + "---|" * len(prof))
         print("| kernels per layer | " + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in prof.values()) + " |")
+        print("| launches per layer by its ops (flow_census) | "
+              + " | ".join(f"{len(p.get('census_per_layer', ()))}" for p in prof.values()) + " |")
         print("| kernels per layer, + uncached rows (pool + self launches) | "
               + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in mixed.values()) + " |")
+        print("| launches per layer by its ops, + uncached rows | "
+              + " | ".join(f"{len(p.get('census_per_layer', ()))}" for p in mixed.values()) + " |")
         print("| ms of kernels per layer (eager) | " + " | ".join(f"{p['layer_ms']:.3f}" for p in prof.values()) + " |")
         print("| launches per step | " + " | ".join(f"{p['step_launches']}" for p in prof.values()) + " |")
         print("| ms of kernels per step (eager) | " + " | ".join(f"{p['kernel_ms']:.3f}" for p in prof.values()) + " |")
