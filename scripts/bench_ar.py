@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--cublas-batches", default="64,256")
     ap.add_argument("--variant-batches", default="16,32,64",
                     help="graphs+triton with RoPE inside the decode attention kernel (ar.rope_in_attention), "
-                         "and with the sampler's random numbers from torch's ops instead of one kernel")
+                         "and with the sampler as tensor ops instead of its two Triton kernels")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, to check the script")
@@ -121,7 +121,7 @@ def main() -> None:
              ("graphs+cublas", dict(cuda_graphs=True, linear="torch"), a.cublas_batches),
              ("graphs+triton+rope_in_attention", dict(cuda_graphs=True, linear="triton", rope_in_attention=True),
               a.variant_batches),
-             ("graphs+triton, torch rng", dict(cuda_graphs=True, linear="triton", rng_kernel=False),
+             ("graphs+triton, sampler as tensor ops", dict(cuda_graphs=True, linear="triton", sampler_kernels=False),
               a.variant_batches)]
     for name, kw, batches in plans:
         bl = [int(x) for x in batches.split(",") if x]

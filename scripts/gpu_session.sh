@@ -22,7 +22,7 @@
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2 (two keys at once)
-#        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the RNG kernel)
+#        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
 #        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
@@ -161,7 +161,7 @@ for step in "$@"; do
           --profile packed_streaming_optimized_standard --concurrency 32 --num-prompts 1088 --num-warmups 64 \
           --force-length --result-dir "$OUT/base" ) > "$OUT/profile-base.txt" 2>&1
       echo "rc=$?" >> "$OUT/profile-base.txt"; tail -30 "$OUT/profile-base.txt" ;;
-    arbench) log "bench_ar: decode ms/step by batch; RoPE in the attention kernel (ar.rope_in_attention); the sampler's random numbers from torch's ops (rng_kernel=False)"
+    arbench) log "bench_ar: decode ms/step by batch; RoPE in the attention kernel (ar.rope_in_attention); the sampler as tensor ops (sampler_kernels=False)"
       timeout 300 python3 scripts/bench_ar.py --batches 16,32,64 --eager-batches "" --cublas-batches "" \
         --variant-batches 16,32,64 --out "$OUT/bench_ar.json" 2>&1 | tee "$OUT/bench_ar.txt" | grep "^|" ;;
     c64) setup; prof c64 packed_streaming_c64 64 1088 64 ;;

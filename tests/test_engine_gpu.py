@@ -181,9 +181,9 @@ def test_uniforms_kernel_is_the_torch_hash_on_cuda():
 def test_rope_in_attention_gives_the_same_tokens_graphed(big_lm, reqs, alone_tokens):
     """``ar.rope_in_attention``: RoPE and the K/V cache write inside the decode attention kernel
     (design.md D30), graphed, and the sampler's random numbers from torch's ops instead of the
-    Triton kernel (``rng_kernel``, on in ``alone_tokens``): a row's tokens do not change."""
-    eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True, rng_kernel=False)
-    assert eng.runner.executor.rope_in_attention and eng.runner.sampler.uniforms is not K.uniforms
+    Triton kernels (``sampler_kernels``, on in ``alone_tokens``): a row's tokens do not change."""
+    eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True, sampler_kernels=False)
+    assert eng.runner.executor.rope_in_attention and eng.runner.sampler.draw is None
     got = run_together(eng, reqs, list(range(len(reqs))))
     _free(eng)
     assert got == alone_tokens

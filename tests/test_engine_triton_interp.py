@@ -116,6 +116,43 @@ def test_uniforms_kernel_is_the_torch_hash_bit_for_bit():
         assert torch.equal(K.uniforms(lo, hi, step, draws), uniforms(lo, hi, step, draws))
 
 
+def test_sampler_draw_kernel_is_the_tensor_ops_bit_for_bit():
+    """``K.sampler_draw`` (the draw after the sort in one launch) picks the same ids as the
+    sampler's tensor ops, step after step with the history it records: RAS and standard rows,
+    rows given as a slice and as indices, flat and peaked logits, a RAS row whose pick repeats
+    (the redraw from the rest) and one with no mass left besides it (the runner-up)."""
+    from cosybatch.engine.sampler import SamplerState
+
+    vocab, rows = 300, 8
+
+    def sampler(draw):
+        st = SamplerState(rows, vocab, 280, 280, 64, torch.device("cpu"), uniforms=K.uniforms, draw=draw)
+        for r in range(rows):
+            st.bind(r, SamplingParams.standard(0.7, 0.8, 20, 1.21, seed=r) if r % 2 else
+                    SamplingParams(top_k=25, top_p=0.8, win_size=10, tau_r=0.1, seed=r), 2)
+        return st
+
+    g = torch.Generator().manual_seed(5)
+    ops, kernel = sampler(None), sampler(K.sampler_draw)
+    picks = []
+    for step in range(24):
+        logits = torch.randn(rows, ops.vocab_padded, generator=g) * (0.5 + step % 4)
+        logits[0, 7] += 12.0  # row 0 (RAS) keeps picking 7 first: its repeats redraw from the rest
+        logits[2, :] = -1e4
+        logits[2, 9] = 0.0  # row 2 (RAS): only 9 has any mass, so its redraw takes the runner-up
+        logits[:, vocab:] = float("-inf")
+        n_gen = torch.full((rows,), step)
+        sel = slice(0, rows) if step % 2 else torch.arange(rows)
+        want = ops.sample(logits, sel, n_gen)
+        got = kernel.sample(logits, sel, n_gen)
+        assert torch.equal(got, want), (step, got, want)
+        ops.record(sel, n_gen, want)
+        kernel.record(sel, n_gen, got)
+        picks.append(want)
+    picks = torch.stack(picks)
+    assert (picks[1:, 0] != 7).any() and (picks[1:, 2] != 9).any()  # both redraws happened
+
+
 # The interpreter runs every program of a launch in Python, so the cost is the number of tile
 # programs times the decode steps: a 256-token speech vocabulary (the head's 456 rows are 15
 # decode tiles, not 6761 rows in 106) and short rows keep the engine test at a fifth of its cost
@@ -151,11 +188,11 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     assert [e4.seqs[f"r{i}"].tokens for i in range(6)] == alone
     assert [len(alone[i]) for i in (1, 3, 5)] == [5, 7, 9]
     assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0
-    # one launch for RoPE and attention in decode; the sampler's random numbers from torch's ops
-    # (the runs above drew them from the Triton kernel): the same tokens either way
-    fused = engine(4, rope_in_attention=True, rng_kernel=False)
-    assert fused.runner.executor.rope_in_attention and e4.runner.sampler.uniforms is K.uniforms
-    assert fused.runner.sampler.uniforms is not K.uniforms
+    # one launch for RoPE and attention in decode; the sampler as tensor ops (the runs above
+    # sampled with its Triton kernels): the same tokens either way
+    fused = engine(4, rope_in_attention=True, sampler_kernels=False)
+    assert fused.runner.executor.rope_in_attention and e4.runner.sampler.draw is K.sampler_draw
+    assert fused.runner.sampler.uniforms is not K.uniforms and fused.runner.sampler.draw is None
     for i in (3, 0, 5, 1, 2, 4):
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()

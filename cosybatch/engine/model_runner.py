@@ -62,11 +62,11 @@ class ModelRunner:
         self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
         # one more row than decode uses: the scratch row that a graphed prefill's padding reads
         self.rows = DecodeRows(self.num_rows + 1, self.max_blocks, self.device)
-        uniforms = rng.uniforms
-        if executor == "triton" and cfg.rng_kernel:  # the same bits from one launch, not 185
-            from cosybatch.engine.triton_kernels import uniforms
+        uniforms, draw = rng.uniforms, None
+        if executor == "triton" and cfg.sampler_kernels:  # the same bits, 252 launches fewer
+            from cosybatch.engine.triton_kernels import sampler_draw as draw, uniforms
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
-                                    lm.cfg.sos, cfg.max_model_len, self.device, uniforms)
+                                    lm.cfg.sos, cfg.max_model_len, self.device, uniforms, draw)
         if executor == "torch":
             from cosybatch.engine.torch_executor import TorchExecutor
 

@@ -47,7 +47,7 @@ class SamplerState:
     drawn tokens."""
 
     def __init__(self, num_rows: int, vocab: int, stop_start: int, sos: int, history_len: int,
-                 device: torch.device, uniforms=uniforms):
+                 device: torch.device, uniforms=uniforms, draw=None):
         self.vocab = vocab
         self.vocab_padded = padded_vocab(vocab)
         self.stop_start = stop_start
@@ -55,6 +55,9 @@ class SamplerState:
         self.device = device
         # engine.rng.uniforms, or a kernel that gives the same bits (engine.triton_kernels.uniforms)
         self.uniforms = uniforms
+        # None: the draw after the sort as tensor ops below; else a kernel with the same steps
+        # (engine.triton_kernels.sampler_draw)
+        self.draw = draw
         self.params = torch.zeros(num_rows, len(_COLS), dtype=torch.float64, device=device)
         self.history = torch.zeros(num_rows, history_len, dtype=torch.long, device=device)
         self.seen = torch.zeros(num_rows, self.vocab_padded, dtype=torch.bool, device=device)
@@ -132,6 +135,10 @@ class SamplerState:
 
         # nucleus walk over the stable descending order
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        lo, hi = p[:, _C["seed_lo"]].long(), p[:, _C["seed_hi"]].long()
+        u = self.uniforms(lo, hi, n_gen, 2)  # [n, 2]: this token's draws 0 and 1
+        if self.draw is not None:  # the rest in one kernel, the same integer and float64 steps
+            return self.draw(order, q, p, u, self.history[rows], n_gen, self.vocab, _C)
         qs = q.gather(1, order)
         incl = qs.cumsum(1)
         excl = incl - qs
@@ -141,8 +148,6 @@ class SamplerState:
         kept = ((col < k) & (excl.double() < top_p * total.double())) | (col == 0)
         n_kept = kept.sum(1, keepdim=True)
         kept_total = incl.gather(1, n_kept - 1)
-        lo, hi = p[:, _C["seed_lo"]].long(), p[:, _C["seed_hi"]].long()
-        u = self.uniforms(lo, hi, n_gen, 2)  # [n, 2]: this token's draws 0 and 1
         t1 = torch.floor(u[:, :1] * kept_total.double()).long()
         r1 = torch.minimum(((incl <= t1) & kept).sum(1, keepdim=True), n_kept - 1)
         tok1 = order.gather(1, r1)

@@ -13,6 +13,8 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``uniforms``: the sampler's counter-based random numbers (``engine.rng``) for every row and
   draw in one launch, with the same int64 operations: integer-exact, so the same bits as the
   185 small tensor ops of the torch form.
+* ``sampler_draw``: ``SamplerState.sample`` after its sort, one program per row, with the same
+  integer and float64 steps as its ~50 tensor ops.
 * ``rope_paged_attention``: a decode step's ``rope_cache`` and ``paged_attention`` in one launch
   (one token per row: each (token, kv head) program ropes its own query group and key, writes
   the key and value into the cache, then attends). The same operations in the same order, so
@@ -395,4 +397,65 @@ def uniforms(seed_lo, seed_hi, step, draws: int):
     block = min(1024, _pow2(n, 16))
     _uniforms_kernel[(triton.cdiv(n, block),)](seed_lo.contiguous(), seed_hi.contiguous(), step.contiguous(),
                                                out, n, DRAWS=draws, BLOCK=block)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ draw
+
+
+@triton.jit
+def _draw_kernel(order_ptr, q_ptr, p_ptr, u_ptr, hist_ptr, ngen_ptr, out_ptr, V, VP, H,
+                 stride_o, stride_q, stride_p, stride_h, IS_RAS: tl.constexpr, TOP_K: tl.constexpr,
+                 TOP_P: tl.constexpr, REP: tl.constexpr, WIN: tl.constexpr, BLOCK: tl.constexpr,
+                 HBLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    col = tl.arange(0, BLOCK)
+    ok = col < VP
+    prm = p_ptr + r * stride_p
+    # the nucleus walk over the stable descending order (int64 sums: exact in any order)
+    order = tl.load(order_ptr + r * stride_o + col, mask=ok, other=0)
+    qs = tl.load(q_ptr + r * stride_q + order, mask=ok, other=0)
+    incl = tl.cumsum(qs, axis=0)
+    excl = incl - qs
+    total = tl.sum(qs, axis=0)
+    k = tl.load(prm + TOP_K).to(tl.int64)
+    top_p = tl.load(prm + TOP_P)
+    kept = (((col < k) & (excl.to(tl.float64) < top_p * total.to(tl.float64))) | (col == 0)) & ok
+    n_kept = tl.sum(kept.to(tl.int64), axis=0)
+    kept_total = tl.sum(tl.where(col == n_kept - 1, incl, 0), axis=0)
+    t1 = tl.floor(tl.load(u_ptr + 2 * r) * kept_total.to(tl.float64)).to(tl.int64)
+    r1 = tl.minimum(tl.sum(((incl <= t1) & kept).to(tl.int64), axis=0), n_kept - 1)
+    tok1 = tl.sum(tl.where(col == r1, order, 0), axis=0)
+    # RAS: repeated within the window -> redraw from the full distribution without it
+    ng = tl.load(ngen_ptr + r)
+    win = tl.load(prm + WIN).to(tl.int64)
+    hc = tl.arange(0, HBLOCK)
+    hist = tl.load(hist_ptr + r * stride_h + hc, mask=hc < H, other=0)
+    in_win = (hc >= ng - win) & (hc < ng) & (hc < H)
+    rep = tl.sum(((hist == tok1) & in_win).to(tl.int64), axis=0)
+    hit = (tl.load(prm + IS_RAS) > 0) & (rep.to(tl.float64) >= tl.load(prm + REP))
+    q2 = tl.where(col == tok1, 0, tl.load(q_ptr + r * stride_q + col, mask=ok, other=0))
+    incl2 = tl.cumsum(q2, axis=0)
+    total2 = tl.sum(q2, axis=0)
+    t2 = tl.floor(tl.load(u_ptr + 2 * r + 1) * total2.to(tl.float64)).to(tl.int64)
+    tok2 = tl.sum(((incl2 <= t2) & ok).to(tl.int64), axis=0)
+    # nothing else has any mass left: the runner-up, as the official multinomial would pick
+    tok2 = tl.where(total2 > 0, tok2, tl.sum(tl.where(col == 1, order, 0), axis=0))
+    tok2 = tl.minimum(tok2, V - 1)
+    tl.store(out_ptr + r, tl.where(hit, tok2, tok1))
+
+
+def sampler_draw(order, q, params, u, history, n_gen, vocab: int, C: dict):
+    """``SamplerState.sample`` after its sort, one program per row: order/q [n, Vp] int64, params
+    [n, len(C)] float64 (C: column name -> index), u [n, 2] float64, history [n, H] int64, n_gen
+    [n] -> ids [n] int64."""
+    import torch
+
+    n, vp = q.shape
+    out = torch.empty(n, dtype=torch.long, device=q.device)
+    h = history.shape[1]
+    _draw_kernel[(n,)](order, q, params, u.contiguous(), history, n_gen, out, vocab, vp, h,
+                       order.stride(0), q.stride(0), params.stride(0), history.stride(0),
+                       IS_RAS=C["is_ras"], TOP_K=C["top_k"], TOP_P=C["top_p"], REP=C["rep_threshold"],
+                       WIN=C["win_size"], BLOCK=_pow2(vp), HBLOCK=_pow2(h), num_warps=16)
     return out
