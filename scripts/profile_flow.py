@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_codec import build_flow, make_rows  # noqa: E402
-from flow_census import census  # noqa: E402
+from kernel_census import census  # noqa: E402
 
 from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner  # noqa: E402
 from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
@@ -158,7 +158,7 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
             sync()
     finally:
         runner.tables.blocks = blocks
-    # The same step's launches as the ops issue them (flow_census): what the profiler counts
+    # The same step's launches as the ops issue them (kernel_census): what the profiler counts
     # beyond these per layer is launched inside ops (a library's own kernels).
     counted = census(runner, solve) if solve.steps_left else None
     solve.step(solve.steps_left)
@@ -273,7 +273,7 @@ def main(argv=None):
         print("| | " + " | ".join(prof) + " |")
         print("|---|" + "---|" * len(prof))
         print("| kernels per layer | " + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in prof.values()) + " |")
-        print("| launches per layer by its ops (flow_census) | "
+        print("| launches per layer by its ops (kernel_census) | "
               + " | ".join(f"{len(p.get('census_per_layer', ()))}" for p in prof.values()) + " |")
         print("| kernels per layer, + uncached rows (pool + self launches) | "
               + " | ".join(f"{p['kernels_per_layer']:.2f}" for p in mixed.values()) + " |")

@@ -197,3 +197,42 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()
     assert [fused.seqs[f"r{i}"].tokens for i in range(6)] == alone
+
+
+def test_decode_step_launch_census():
+    """The kernel launches of one AR decode step of one row, counted as the ops issue them
+    (``scripts/kernel_census.py``; on a GPU the step replays from a graph, and batched sampling
+    there issues what one row's sampling issues here): the model's 9 per layer, the sampler's
+    two Triton kernels (design.md D30: 252 launches fewer than its tensor ops) and RoPE inside
+    the attention (one launch fewer per layer). A change that adds a launch fails here, with the
+    step's ops in the message."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from kernel_census import launches
+    finally:
+        sys.path.pop(0)
+    lm = random_lm(SMALL, seed=4)
+    layers = SMALL.qwen.num_hidden_layers
+
+    def step_ops(**kw):
+        eng = LLMEngine(lm, engine_config(max_num_seqs=4, max_model_len=256, kv_block_size=16, executor="triton", **kw))
+        eng.add_request([11, 12, 13], [5, 6], [1, 2, 3], params=SamplingParams(seed=0, force_length=6))
+        eng.step()  # the prefill
+        ops = launches(eng.launch)  # one decode step
+        eng.collect()
+        return ops
+
+    default, rope, tensor_ops = step_ops(), step_ops(rope_in_attention=True), step_ops(sampler_kernels=False)
+    per_layer = ["triton._matmul_kernel", "triton._rope_cache_kernel", "triton._paged_attn_kernel",
+                 "triton._matmul_kernel", "triton._rmsnorm_kernel", "triton._matmul_kernel",
+                 "triton._silu_mul_kernel", "triton._matmul_kernel", "triton._rmsnorm_kernel"]
+    start = default.index("triton._rmsnorm_kernel") + 1
+    assert default[start: start + 9 * layers] == per_layer * layers, default
+    sampling = default[start + 9 * layers + 1:]  # after the head's matmul: sample, record, row state
+    assert sampling.count("triton._uniforms_kernel") == 1 and sampling.count("triton._draw_kernel") == 1
+    assert len(default) == 72, (len(default), default)
+    assert len(rope) == len(default) - layers and "triton._rope_paged_attn_kernel" in rope
+    assert len(tensor_ops) == len(default) + 252, len(tensor_ops)

@@ -1,5 +1,5 @@
 """The kernel launches of one fused streaming Euler step, per DiT layer (design.md D26), counted
-on the CPU (``scripts/flow_census.py``: aten ops through a dispatch mode, Triton launches through
+on the CPU (``scripts/kernel_census.py``: aten ops through a dispatch mode, Triton launches through
 Triton's interpreter), on the CUDA side of the device branches.
 
 The fused layer is eight launches: the q/k/v GEMM (its bias in the GEMM), the rotary writing
@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 try:
-    from flow_census import census  # noqa: E402
+    from kernel_census import census  # noqa: E402
 finally:
     sys.path.pop(0)
 

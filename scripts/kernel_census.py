@@ -1,4 +1,5 @@
-"""A census of the kernel launches of one flow Euler step, per DiT layer, on any device.
+"""A census of kernel launches, on any device: of one flow Euler step per DiT layer (``census``),
+or of any callable (``launches``: an AR decode step, say).
 
 Every op of the step that would launch a GPU kernel is recorded in order: the aten ops (through a
 ``TorchDispatchMode``, less the pure metadata ops in ``NO_KERNEL``) and the Triton launches (the
@@ -13,7 +14,7 @@ emulated, outside the blocks: the position convs' form (``conv1d`` on the CPU, T
 What the census cannot see are kernels a library launches inside one op (cuBLAS's split-K
 reductions, say): the torch profiler on a GPU counts those (``scripts/profile_flow.py``).
 
-    from flow_census import census
+    from kernel_census import census
     c = census(runner, solve)           # one step of an unfinished solve
     c.per_layer(), c.format()
 """
@@ -163,6 +164,15 @@ def _cuda_ff1(rec: _Recorder, ff1):
             return ff1(x, w1, b1)
 
     return run, "FF1: the CUDA op (_addmm_activation, GELU epilogue) counted, the CPU's GEMM + GELU run"
+
+
+def launches(fn) -> list[str]:
+    """The kernel-launching ops of ``fn()`` in order (aten ops less ``NO_KERNEL``, and Triton
+    launches as ``triton.<kernel>``): the same census for any step, e.g. an AR decode step."""
+    rec = _Recorder()
+    with _triton_launches(rec), rec:
+        fn()
+    return rec.ops
 
 
 def census(runner, solve, cuda: bool = True) -> Census:
