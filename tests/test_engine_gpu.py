@@ -178,6 +178,17 @@ def test_uniforms_kernel_is_the_torch_hash_on_cuda():
     assert torch.equal(K.uniforms(lo, hi, step, 2), uniforms(lo, hi, step, 2))
 
 
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_silu_in_the_gate_up_epilogue_is_the_two_kernels_on_cuda(phase):
+    """SiLU x up in the gate/up GEMM's epilogue (weights as (gate, up) row pairs) gives the bits
+    of the GEMM over [gate | up] followed by silu_mul, at the full model's shapes in bf16."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(37, 896, generator=g, device=DEV).to(torch.bfloat16)
+    gate, up = (torch.randn(2, 4864, 896, generator=g, device=DEV) * 0.05).to(torch.bfloat16)
+    want = K.silu_mul(K.matmul(x, torch.cat([gate, up]), phase=phase))
+    assert torch.equal(K.matmul(x, K.gate_up_pairs(gate, up), phase=phase, silu_pairs=True), want)
+
+
 def test_rope_in_attention_gives_the_same_tokens_graphed(big_lm, reqs, alone_tokens):
     """``ar.rope_in_attention``: RoPE and the K/V cache write inside the decode attention kernel
     (design.md D30), graphed, and the sampler's random numbers from torch's ops instead of the

@@ -38,6 +38,23 @@ def test_matmul_and_norms_match_torch():
     assert torch.equal(res, s) and (out - ref).abs().max() < 1e-5
     gu = torch.randn(5, 64, generator=g)
     assert (K.silu_mul(gu) - torch.nn.functional.silu(gu[:, :32]) * gu[:, 32:]).abs().max() < 1e-5
+    assert torch.equal(K.silu_mul(gu[:, torch.stack([torch.arange(32), torch.arange(32, 64)], 1).reshape(-1)],
+                                  pairs=True), K.silu_mul(gu))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_in_the_gate_up_epilogue_is_the_two_kernels_bit_for_bit(dtype):
+    """``matmul(silu_pairs=True)`` on (gate, up) row pairs gives silu_mul(matmul([gate | up]))
+    bit for bit, in both phases' tiles, with a partial last tile (192 rows under prefill's 128)."""
+    g = torch.Generator().manual_seed(2)
+    for phase in ("decode", "prefill"):
+        for inter, hidden, m in ((96, 64, 5), (128, 96, 37)):
+            x = torch.randn(m, hidden, generator=g).to(dtype)
+            gate = (torch.randn(inter, hidden, generator=g) * 0.2).to(dtype)
+            up = (torch.randn(inter, hidden, generator=g) * 0.2).to(dtype)
+            want = K.silu_mul(K.matmul(x, torch.cat([gate, up]), phase=phase))
+            got = K.matmul(x, K.gate_up_pairs(gate, up), phase=phase, silu_pairs=True)
+            assert torch.equal(got, want), (phase, inter)
 
 
 def test_rope_cache_and_paged_attention_match_torch():
@@ -202,9 +219,9 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
 def test_decode_step_launch_census():
     """The kernel launches of one AR decode step of one row, counted as the ops issue them
     (``scripts/kernel_census.py``; on a GPU the step replays from a graph, and batched sampling
-    there issues what one row's sampling issues here): the model's 9 per layer, the sampler's
-    two Triton kernels (design.md D30: 252 launches fewer than its tensor ops) and RoPE inside
-    the attention (one launch fewer per layer). A change that adds a launch fails here, with the
+    there issues what one row's sampling issues here): the model's 8 per layer (SiLU x up in the
+    gate/up GEMM), the sampler's two Triton kernels (design.md D30: 252 launches fewer than its
+    tensor ops) and RoPE inside the attention (one launch fewer per layer). A change that adds a launch fails here, with the
     step's ops in the message."""
     import sys
     from pathlib import Path
@@ -227,12 +244,12 @@ def test_decode_step_launch_census():
 
     default, rope, tensor_ops = step_ops(), step_ops(rope_in_attention=True), step_ops(sampler_kernels=False)
     per_layer = ["triton._matmul_kernel", "triton._rope_cache_kernel", "triton._paged_attn_kernel",
-                 "triton._matmul_kernel", "triton._rmsnorm_kernel", "triton._matmul_kernel",
-                 "triton._silu_mul_kernel", "triton._matmul_kernel", "triton._rmsnorm_kernel"]
+                 "triton._matmul_kernel", "triton._rmsnorm_kernel", "triton._matmul_kernel",  # gate/up + SiLU x up
+                 "triton._matmul_kernel", "triton._rmsnorm_kernel"]
     start = default.index("triton._rmsnorm_kernel") + 1
-    assert default[start: start + 9 * layers] == per_layer * layers, default
-    sampling = default[start + 9 * layers + 1:]  # after the head's matmul: sample, record, row state
+    assert default[start: start + 8 * layers] == per_layer * layers, default
+    sampling = default[start + 8 * layers + 1:]  # after the head's matmul: sample, record, row state
     assert sampling.count("triton._uniforms_kernel") == 1 and sampling.count("triton._draw_kernel") == 1
-    assert len(default) == 72, (len(default), default)
+    assert len(default) == 70, (len(default), default)
     assert len(rope) == len(default) - layers and "triton._rope_paged_attn_kernel" in rope
     assert len(tensor_ops) == len(default) + 252, len(tensor_ops)

@@ -1,8 +1,9 @@
 """Packed forward on the GPU with the Triton kernels: many prompts in one prefill (no padding),
 one decode token per row, all reading/writing the paged cache.
 
-The weights are the ``CosyVoice3LM``'s own, copied once into the engine dtype (q/k/v and
-gate/up fused, the speech head padded to an aligned vocabulary with a -inf bias on the padding).
+The weights are the ``CosyVoice3LM``'s own, copied once into the engine dtype (q/k/v fused;
+gate/up fused as (gate, up) row pairs, so SiLU x up runs in that GEMM's epilogue; the speech
+head padded to an aligned vocabulary with a -inf bias on the padding).
 The decode forward reads only device state (``DecodeRows``), so it can be captured in a CUDA graph.
 """
 
@@ -63,7 +64,7 @@ class TritonExecutor:
                 b_qkv=prep(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
                 w_o=prep(a.o_proj.weight),
                 ln2=prep(L.post_attention_layernorm.weight),
-                w_gu=prep(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                w_gu=prep(K.gate_up_pairs(m.gate_proj.weight, m.up_proj.weight)),
                 w_down=prep(m.down_proj.weight),
             ))
         self.norm = prep(bb.norm.weight)
@@ -107,7 +108,11 @@ class TritonExecutor:
                 q = K.rope_cache(qkv, pos, slots, self.cos, self.sin, k_slots, v_slots, self.hq, self.hkv, self.d)
                 a = K.paged_attention(q, kc, vc, bt, tok_rows, pos, self.scale)
             h, res = K.add_rmsnorm(self._mm(a, L.w_o, None, phase), res, L.ln2, self.eps)
-            mlp = self._mm(K.silu_mul(self._mm(h, L.w_gu, None, phase)), L.w_down, None, phase)
+            if self.linear_impl == "torch":
+                act = K.silu_mul(F.linear(h, L.w_gu), pairs=True)
+            else:  # SiLU x up in the gate/up GEMM's epilogue
+                act = K.matmul(h, L.w_gu, phase=phase, silu_pairs=True)
+            mlp = self._mm(act, L.w_down, None, phase)
             nxt = self.layers[i + 1].ln1 if i + 1 < n else self.norm
             h, res = K.add_rmsnorm(mlp, res, nxt, self.eps)
         return h

@@ -9,7 +9,8 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``rope_cache``: RoPE on q/k of one token, k and v written into their paged-cache slot.
 * ``paged_attention``: one program per (query token, kv head); the GQA group of query heads is
   one tile; keys are visited block by block in position order with an online softmax.
-* ``silu_mul``: silu(gate) * up.
+* ``silu_mul``: silu(gate) * up (``matmul(silu_pairs=True)`` does it in the gate/up GEMM's
+  epilogue, from weights stored as (gate, up) row pairs, with the same bits).
 * ``uniforms``: the sampler's counter-based random numbers (``engine.rng``) for every row and
   draw in one launch, with the same int64 operations: integer-exact, so the same bits as the
   185 small tensor ops of the torch form.
@@ -44,7 +45,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, SILU_PAIRS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -61,8 +62,16 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
         acc = tl.dot(a, b, acc, input_precision=PREC)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if SILU_PAIRS:
+        # w's rows are (gate, up) pairs: y[:, j] = silu(gate_j) * up_j, with silu_mul's arithmetic
+        # on the values the GEMM would have stored (rounded to y's dtype), so the same bits
+        g, u = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty).to(tl.float32), (BM, BN // 2, 2)))
+        rj = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rj[None, :], (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (rj < N // 2)[None, :])
+    else:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 def matmul_tiles(phase: str, n: int, k: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
@@ -76,18 +85,29 @@ def matmul_tiles(phase: str, n: int, k: int, elem_bytes: int = 2) -> tuple[int, 
     return 64, bn, 128, 4, 2 if wide else 4
 
 
-def matmul(x, w, bias=None, out_dtype=None, phase: str = "decode"):
+def matmul(x, w, bias=None, out_dtype=None, phase: str = "decode", silu_pairs: bool = False):
+    """y = x @ w.T (+ bias); ``silu_pairs``: w's rows are interleaved (gate, up) pairs
+    (``gate_up_pairs``) and y = silu(gate) * up, [M, N/2], the bits of ``silu_mul`` applied to
+    the GEMM of the [gate | up] weight (one launch instead of two)."""
     import torch
 
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if silu_pairs else n, dtype=out_dtype or x.dtype, device=x.device)
     bm, bn, bk, warps, stages = matmul_tiles(phase, n, k, x.element_size())
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-                         PREC=_prec(x.dtype), num_warps=warps, num_stages=stages)
+                         PREC=_prec(x.dtype), SILU_PAIRS=silu_pairs, num_warps=warps, num_stages=stages)
     return y
+
+
+def gate_up_pairs(gate, up):
+    """[I, H] gate and up weights -> [2I, H] rows (gate_0, up_0, gate_1, up_1, ...): every GEMM
+    tile then holds whole pairs (``matmul(silu_pairs=True)``)."""
+    import torch
+
+    return torch.stack([gate, up], 1).reshape(2 * gate.shape[0], gate.shape[1])
 
 
 # ------------------------------------------------------------------------------------------ norms
@@ -329,25 +349,29 @@ def paged_attention(q, k_cache, v_cache, block_tables, tok_rows, pos, scale: flo
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
+    if PAIRS:
+        g = tl.load(gu_ptr + row * stride_gu + 2 * cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + 2 * cols + 1, mask=ok, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gu):
-    """gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+def silu_mul(gu, pairs: bool = False):
+    """gu [T, 2I] (gate | up; ``pairs``: (gate, up) column pairs) -> silu(gate) * up [T, I]."""
     import torch
 
     t, two_i = gu.shape
     i = two_i // 2
     out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
     block = min(1024, _pow2(i))
-    _silu_mul_kernel[(t, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(t, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block, PAIRS=pairs)
     return out
 
 
