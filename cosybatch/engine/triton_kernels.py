@@ -157,6 +157,23 @@ def add_rmsnorm(x, res, w, eps: float):
 
 
 @triton.jit
+def _rope_heads(src, dst, heads, h_ok, stride_dh, cos_ptr, sin_ptr, pos, stride_cs, D: tl.constexpr,
+                HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Rotate-half RoPE at position ``pos`` of one token's heads ``heads`` (D values each from
+    ``src``) into ``dst`` (head h at dst + h * stride_dh): float32 arithmetic, rounded to dst's dtype."""
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
+    m = h_ok[:, None] & j_ok[None, :]
+    a = tl.load(src + heads[:, None] * D + j[None, :], mask=m, other=0.0).to(tl.float32)
+    b = tl.load(src + heads[:, None] * D + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+    out = dst + heads[:, None] * stride_dh + j[None, :]
+    tl.store(out, (a * c - b * s).to(dst.dtype.element_ty), mask=m)
+    tl.store(out + HALF, (b * c + a * s).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_q, stride_cs, stride_slot,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQ_P: tl.constexpr,
@@ -164,29 +181,12 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_p
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
-    j = tl.arange(0, HALF_P)
-    j_ok = j < HALF
-    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
     row = qkv_ptr + t * stride_qkv
-
     hq = tl.arange(0, HQ_P)
-    mq = (hq < HQ)[:, None] & j_ok[None, :]
-    a = tl.load(row + hq[:, None] * D + j[None, :], mask=mq, other=0.0).to(tl.float32)
-    b = tl.load(row + hq[:, None] * D + HALF + j[None, :], mask=mq, other=0.0).to(tl.float32)
-    qo = q_ptr + t * stride_q + hq[:, None] * D + j[None, :]
-    tl.store(qo, (a * c - b * s).to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(qo + HALF, (b * c + a * s).to(q_ptr.dtype.element_ty), mask=mq)
-
+    _rope_heads(row, q_ptr + t * stride_q, hq, hq < HQ, D, cos_ptr, sin_ptr, pos, stride_cs, D, HALF, HALF_P)
     hk = tl.arange(0, HKV_P)
-    mk = (hk < HKV)[:, None] & j_ok[None, :]
-    kb = row + HQ * D
-    a = tl.load(kb + hk[:, None] * D + j[None, :], mask=mk, other=0.0).to(tl.float32)
-    b = tl.load(kb + hk[:, None] * D + HALF + j[None, :], mask=mk, other=0.0).to(tl.float32)
-    ko = kc_ptr + slot * stride_slot + hk[:, None] * D + j[None, :]
-    tl.store(ko, (a * c - b * s).to(kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(ko + HALF, (b * c + a * s).to(kc_ptr.dtype.element_ty), mask=mk)
-
+    _rope_heads(row + HQ * D, kc_ptr + slot * stride_slot, hk, hk < HKV, D, cos_ptr, sin_ptr, pos, stride_cs,
+                D, HALF, HALF_P)
     d = tl.arange(0, D_P)
     mv = (hk < HKV)[:, None] & (d < D)[None, :]
     v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + d[None, :], mask=mv, other=0.0)
@@ -210,12 +210,18 @@ def rope_cache(qkv, pos, slots, cos, sin, k_slots, v_slots, hq: int, hkv: int, d
 
 
 @triton.jit
-def _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-            G_P: tl.constexpr, D_P: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """One query group [G_P, D_P] against keys 0..pos of its row, block by block in position
-    order with an online softmax -> [G_P, D_P] float32."""
+def _attend(q_ptr, kc_ptr, vc_ptr, bt_ptr, out_ptr, t, row, pos, kvh, scale, stride_qt, stride_qh, stride_kb,
+            stride_ks, stride_kh, stride_bt, stride_ot, GROUP: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
+            D_P: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """Token t's query group of kv head ``kvh`` (read from q) against keys 0..pos of its row, block
+    by block in position order with an online softmax, written to out."""
+    g = tl.arange(0, G_P)
     d = tl.arange(0, D_P)
+    g_ok = g < GROUP
     d_ok = d < D
+    qh = kvh * GROUP + g
+    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
     acc = tl.zeros([G_P, D_P], tl.float32)
@@ -233,7 +239,9 @@ def _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_k
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    return acc / l_i[:, None]
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -242,20 +250,9 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, row_ptr, pos_ptr, out_ptr,
                        GROUP: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        BS: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pos = tl.load(pos_ptr + t)
-    row = tl.load(row_ptr + t)
-    g = tl.arange(0, G_P)
-    d = tl.arange(0, D_P)
-    g_ok = g < GROUP
-    d_ok = d < D
-    qh = kvh * GROUP + g
-    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    out = _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-                  G_P, D_P, BS, D, PREC)
-    tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    _attend(q_ptr, kc_ptr, vc_ptr, bt_ptr, out_ptr, t, tl.load(row_ptr + t), tl.load(pos_ptr + t), tl.program_id(1),
+            scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, GROUP, G_P, D, D_P,
+            BS, PREC)
 
 
 @triton.jit
@@ -270,27 +267,16 @@ def _rope_paged_attn_kernel(qkv_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # rope_cache's arithmetic for this program's query group and key, stored where the separate
     # kernels store them: the key and value into this token's cache slot, the query into q
-    j = tl.arange(0, HALF_P)
-    j_ok = j < HALF
-    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0)[None, :]
     src = qkv_ptr + t * stride_qkv
     g = tl.arange(0, G_P)
-    g_ok = g < GROUP
-    qh = kvh * GROUP + g
-    mq = g_ok[:, None] & j_ok[None, :]
-    a = tl.load(src + qh[:, None] * D + j[None, :], mask=mq, other=0.0).to(tl.float32)
-    b = tl.load(src + qh[:, None] * D + HALF + j[None, :], mask=mq, other=0.0).to(tl.float32)
-    qo = q_ptr + t * stride_qt + qh[:, None] * stride_qh + j[None, :]
-    tl.store(qo, (a * c - b * s).to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(qo + HALF, (b * c + a * s).to(q_ptr.dtype.element_ty), mask=mq)
-    ks = src + HQ * D + kvh * D
-    a = tl.load(ks + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    b = tl.load(ks + HALF + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    # the slot's address through the block layout the attention reads (block, offset, head)
-    dst = (slot // BS) * stride_kb + (slot % BS) * stride_ks + kvh * stride_kh
-    tl.store(kc_ptr + dst + j[None, :], (a * c - b * s).to(kc_ptr.dtype.element_ty), mask=j_ok[None, :])
-    tl.store(kc_ptr + dst + HALF + j[None, :], (b * c + a * s).to(kc_ptr.dtype.element_ty), mask=j_ok[None, :])
+    _rope_heads(src, q_ptr + t * stride_qt, kvh * GROUP + g, g < GROUP, stride_qh, cos_ptr, sin_ptr, pos, stride_cs,
+                D, HALF, HALF_P)
+    # the key into the slot, addressed through the block layout the attention reads
+    blk = (slot // BS) * stride_kb + (slot % BS) * stride_ks
+    kv = kvh + tl.zeros([1], tl.int32)
+    _rope_heads(src + HQ * D, kc_ptr + blk, kv, kv == kvh, stride_kh, cos_ptr, sin_ptr, pos, stride_cs, D, HALF,
+                HALF_P)
+    dst = blk + kvh * stride_kh
     d = tl.arange(0, D_P)
     d_ok = d < D
     v = tl.load(src + (HQ + (HQ // GROUP)) * D + kvh * D + d, mask=d_ok, other=0.0)
@@ -298,13 +284,8 @@ def _rope_paged_attn_kernel(qkv_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, 
     # every thread of the program sees the stores above before reading them back
     tl.debug_barrier()
     # paged_attention's work, unchanged
-    row = tl.load(row_ptr + t)
-    q = tl.load(q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    out = _attend(q, kc_ptr, vc_ptr, bt_ptr, row, pos, kvh, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-                  G_P, D_P, BS, D, PREC)
-    tl.store(out_ptr + t * stride_ot + qh[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    _attend(q_ptr, kc_ptr, vc_ptr, bt_ptr, out_ptr, t, tl.load(row_ptr + t), pos, kvh, scale, stride_qt, stride_qh,
+            stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, GROUP, G_P, D, D_P, BS, PREC)
 
 
 def rope_paged_attention(qkv, pos, slots, cos, sin, k_cache, v_cache, block_tables, tok_rows, scale: float,
