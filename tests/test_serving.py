@@ -12,15 +12,17 @@ pytestmark = pytest.mark.numeric
 
 
 BESIDE = ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"]
+# five rows for three AR rows: a backlog, so freed rows are held for a batched prefill (design.md D29)
+PREFILL_BATCHING = ["ar.prefill_min_rows=2", "ar.prefill_wait_ms=20"]
 
 
 # The last cases: deadline batching and the AR step beside the codec (design.md D22) are
 # accepted on a CPU, where the AR step stays serial, and change no result; and the host's side
 # of beside forced on (AR steps collected and launched between the codec's slices, at their own
-# pace), which a CPU can run without streams.
+# pace), which a CPU can run without streams; and prefill batching under a backlog.
 @pytest.mark.parametrize("mode,timeline,host_beside", [("full", [], False), ("streaming", [], False),
                                                        ("streaming", BESIDE, False), ("streaming", BESIDE, True),
-                                                       ("full", BESIDE, True)])
+                                                       ("full", BESIDE, True), ("full", PREFILL_BATCHING, False)])
 def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, timeline, host_beside):
     from cosybatch.profiles import load_profile
     from cosybatch.synthesizers import fast_pipeline
@@ -36,7 +38,11 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
         turns = []
         ar_turn = pipe._ar_turn
         pipe._ar_turn = lambda: (turns.append(pipe.engine.in_flight), ar_turn())
-    assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline else None)
+    assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline == BESIDE else None)
+    sch = pipe.engine.scheduler
+    assert sch.prefill_min_rows == (2 if timeline == PREFILL_BATCHING else 1)
+    held, clock = [], sch.clock
+    sch.clock = lambda: held.append(1) or clock()  # the scheduler reads its clock only to hold a row
     rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])
@@ -45,6 +51,7 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     assert all(e.kind == "done" for e in ends.values())
     if host_beside:  # AR steps were collected between codec slices
         assert True in turns, turns
+    assert bool(held) == (timeline == PREFILL_BATCHING)
     # every row's life is accounted, stage by stage (times run forward)
     assert set(stages) == {"prompt", "first_tokens", "first_audio", "after_tokens", "decoding"}, stages
     assert all(v["p50"] >= 0 and v["mean"] >= 0 for v in stages.values()), stages
