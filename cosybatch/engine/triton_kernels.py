@@ -450,10 +450,10 @@ def _draw_kernel(order_ptr, q_ptr, p_ptr, u_ptr, hist_ptr, ngen_ptr, out_ptr, V,
     tl.store(out_ptr + r, tl.where(hit, tok2, tok1))
 
 
-def sampler_draw(order, q, params, u, history, n_gen, vocab: int, C: dict):
+def sampler_draw(order, q, params, u, history, n_gen, vocab: int, columns: dict):
     """``SamplerState.sample`` after its sort, one program per row: order/q [n, Vp] int64, params
-    [n, len(C)] float64 (C: column name -> index), u [n, 2] float64, history [n, H] int64, n_gen
-    [n] -> ids [n] int64."""
+    [n, len(columns)] float64 (columns: name -> index), u [n, 2] float64, history [n, H] int64,
+    n_gen [n] -> ids [n] int64."""
     import torch
 
     n, vp = q.shape
@@ -461,6 +461,6 @@ def sampler_draw(order, q, params, u, history, n_gen, vocab: int, C: dict):
     h = history.shape[1]
     _draw_kernel[(n,)](order, q, params, u.contiguous(), history, n_gen, out, vocab, vp, h,
                        order.stride(0), q.stride(0), params.stride(0), history.stride(0),
-                       IS_RAS=C["is_ras"], TOP_K=C["top_k"], TOP_P=C["top_p"], REP=C["rep_threshold"],
-                       WIN=C["win_size"], BLOCK=_pow2(vp), HBLOCK=_pow2(h), num_warps=16)
+                       IS_RAS=columns["is_ras"], TOP_K=columns["top_k"], TOP_P=columns["top_p"],
+                       REP=columns["rep_threshold"], WIN=columns["win_size"], BLOCK=_pow2(vp), HBLOCK=_pow2(h), num_warps=16)
     return out
