@@ -207,13 +207,14 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     assert e4.runner.can_run_ahead and e4.stats.decode_steps > 0
     # one launch for RoPE and attention in decode; the sampler as tensor ops (the runs above
     # sampled with its Triton kernels): the same tokens either way
-    fused = engine(4, rope_in_attention=True, sampler_kernels=False)
+    # (three rows of both modes, one joining mid-run, keep the interpreter's cost down)
+    fused = engine(2, rope_in_attention=True, sampler_kernels=False)
     assert fused.runner.executor.rope_in_attention and e4.runner.sampler.draw is K.sampler_draw
     assert fused.runner.sampler.uniforms is not K.uniforms and fused.runner.sampler.draw is None
-    for i in (3, 0, 5, 1, 2, 4):
+    for i in (3, 0, 4):
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()
-    assert [fused.seqs[f"r{i}"].tokens for i in range(6)] == alone
+    assert [fused.seqs[f"r{i}"].tokens for i in (3, 0, 4)] == [alone[i] for i in (3, 0, 4)]
 
 
 def test_decode_step_launch_census():
