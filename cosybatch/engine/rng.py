@@ -16,6 +16,7 @@ _M32 = 0xFFFFFFFF
 _C1 = 0x2C1B3C6D
 _C2 = 0x297A2D39
 _GOLD = 0x1E3779B9  # additive stream separator
+_SALT = 0x5BD1E995  # draw 0's word (draw_salt)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,7 @@ def hash32(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, dra
 
 def draw_salt(draw: int) -> int:
     """The 32-bit word that separates draw ``draw``'s hash from the others'."""
-    return (draw * _GOLD + 0x5BD1E995) & _M32
+    return (draw * _GOLD + _SALT) & _M32
 
 
 def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, draws: int) -> torch.Tensor:

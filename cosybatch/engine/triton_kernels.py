@@ -360,35 +360,37 @@ def silu_mul(gu, pairs: bool = False):
 
 
 @triton.jit
-def _mix(x):
+def _mix(x, C1: tl.constexpr, C2: tl.constexpr, M32: tl.constexpr):
     # engine.rng._mix, the same int64 operations (values < 2**32, products < 2**62)
     x = x ^ (x >> 16)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = (x * C1) & M32
     x = x ^ (x >> 16)
-    x = (x * 0x297A2D39) & 0xFFFFFFFF
+    x = (x * C2) & M32
     x = x ^ (x >> 16)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = (x * C1) & M32
     return x ^ (x >> 15)
 
 
 @triton.jit
-def _hash32(lo, hi, step, salt: tl.constexpr):
-    h = _mix((step & 0xFFFFFFFF) ^ salt)
-    h = _mix(h ^ hi)
-    return _mix(((h + 0x1E3779B9) & 0xFFFFFFFF) ^ lo)
+def _hash32(lo, hi, step, draw: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, M32: tl.constexpr,
+            GOLD: tl.constexpr, SALT: tl.constexpr):
+    # engine.rng.hash32, its draw's word (engine.rng.draw_salt) folded at compile time
+    h = _mix((step & M32) ^ ((draw * GOLD + SALT) & M32), C1, C2, M32)
+    h = _mix(h ^ hi, C1, C2, M32)
+    return _mix(((h + GOLD) & M32) ^ lo, C1, C2, M32)
 
 
 @triton.jit
-def _uniforms_kernel(lo_ptr, hi_ptr, step_ptr, out_ptr, n, DRAWS: tl.constexpr, BLOCK: tl.constexpr):
+def _uniforms_kernel(lo_ptr, hi_ptr, step_ptr, out_ptr, n, DRAWS: tl.constexpr, BLOCK: tl.constexpr,
+                     C1: tl.constexpr, C2: tl.constexpr, M32: tl.constexpr, GOLD: tl.constexpr, SALT: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     lo = tl.load(lo_ptr + i, mask=ok, other=0)
     hi = tl.load(hi_ptr + i, mask=ok, other=0)
     step = tl.load(step_ptr + i, mask=ok, other=0)
     for d in tl.static_range(DRAWS):
-        # engine.rng.draw_salt(2d) and (2d + 1)
-        a = _hash32(lo, hi, step, ((2 * d) * 0x1E3779B9 + 0x5BD1E995) & 0xFFFFFFFF) >> 5  # 27 bits
-        b = _hash32(lo, hi, step, ((2 * d + 1) * 0x1E3779B9 + 0x5BD1E995) & 0xFFFFFFFF) >> 6  # 26 bits
+        a = _hash32(lo, hi, step, 2 * d, C1, C2, M32, GOLD, SALT) >> 5  # 27 bits
+        b = _hash32(lo, hi, step, 2 * d + 1, C1, C2, M32, GOLD, SALT) >> 6  # 26 bits
         v = ((a << 26) + b).to(tl.float64) * 1.1102230246251565e-16  # 2**-53
         tl.store(out_ptr + i * DRAWS + d, v, mask=ok)
 
@@ -397,11 +399,14 @@ def uniforms(seed_lo, seed_hi, step, draws: int):
     """``engine.rng.uniforms`` in one launch: [n] int64 each -> [n, draws] float64."""
     import torch
 
+    from cosybatch.engine import rng
+
     n = step.shape[0]
     out = torch.empty(n, draws, dtype=torch.float64, device=step.device)
     block = min(1024, _pow2(n, 16))
     _uniforms_kernel[(triton.cdiv(n, block),)](seed_lo.contiguous(), seed_hi.contiguous(), step.contiguous(),
-                                               out, n, DRAWS=draws, BLOCK=block)
+                                               out, n, DRAWS=draws, BLOCK=block, C1=rng._C1, C2=rng._C2,
+                                               M32=rng._M32, GOLD=rng._GOLD, SALT=rng._SALT)
     return out
 
 
