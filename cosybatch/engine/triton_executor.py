@@ -99,12 +99,12 @@ class TritonExecutor:
         n = len(self.layers)
         for i, L in enumerate(self.layers):
             kc, vc = self.cache.k[i], self.cache.v[i]
-            k_slots, v_slots = self.cache.flat_slots(i)
             qkv = self._mm(h, L.w_qkv, L.b_qkv, phase)
             if phase == "decode" and self.rope_in_attention:  # one query per row: one launch
                 a = K.rope_paged_attention(qkv, pos, slots, self.cos, self.sin, kc, vc, bt, tok_rows, self.scale,
                                            self.hq, self.hkv, self.d)
             else:
+                k_slots, v_slots = self.cache.flat_slots(i)
                 q = K.rope_cache(qkv, pos, slots, self.cos, self.sin, k_slots, v_slots, self.hq, self.hkv, self.d)
                 a = K.paged_attention(q, kc, vc, bt, tok_rows, pos, self.scale)
             h, res = K.add_rmsnorm(self._mm(a, L.w_o, None, phase), res, L.ln2, self.eps)
