@@ -50,10 +50,11 @@ class ARProfile:
     # before the first request) or lazy (a decode bucket right after its first, eager step; a
     # prefill bucket at its second use): a run captures only what it uses (design.md D25)
     graph_capture: Literal["startup", "lazy"] = "startup"
-    # Prefill batching while rows decode (design.md D29): a prefill of fewer than this many
-    # prompts waits for more, at most prefill_wait_ms from when the first could have gone. Under
-    # a steady load rows free up one at a time, and each prefill of one prompt costs the AR
-    # stream about one decode step of every running row. 1: every prompt prefills at once.
+    # Prefill batching under a backlog (design.md D29): while rows decode and more prompts wait
+    # than rows are free, free rows are held until this many are free, at most prefill_wait_ms
+    # from when the first could have gone. Under a backlog rows free up one at a time, and each
+    # prefill of one prompt costs the AR stream about one decode step of every running row.
+    # Without a backlog nothing is held. 1: every prompt prefills at once.
     prefill_min_rows: int = 1
     prefill_wait_ms: float = 0.0
     # triton executor, decode: RoPE and the K/V cache write inside the attention kernel, one
