@@ -191,8 +191,8 @@ def test_silu_in_the_gate_up_epilogue_is_the_two_kernels_on_cuda(phase):
 
 def test_rope_in_attention_gives_the_same_tokens_graphed(big_lm, reqs, alone_tokens):
     """``ar.rope_in_attention``: RoPE and the K/V cache write inside the decode attention kernel
-    (design.md D30), graphed, and the sampler's random numbers from torch's ops instead of the
-    Triton kernels (``sampler_kernels``, on in ``alone_tokens``): a row's tokens do not change."""
+    (design.md D30), graphed, and the sampler as tensor ops instead of its two Triton kernels
+    (``sampler_kernels``, on in ``alone_tokens``): a row's tokens do not change."""
     eng = _engine(big_lm, max_num_seqs=16, rope_in_attention=True, sampler_kernels=False)
     assert eng.runner.executor.rope_in_attention and eng.runner.sampler.draw is None
     got = run_together(eng, reqs, list(range(len(reqs))))
