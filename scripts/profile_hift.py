@@ -30,9 +30,11 @@ from profile_flow import kernel_table  # noqa: E402
 from cosybatch.codec.hift_runner import HiftRunner  # noqa: E402
 
 # HiftRunner options per variant: eager Snake ops and cuDNN's float64 F0 convs; the fused
-# Triton Snake + pad kernel; both fused and the F0 predictor as float64 GEMMs (the default).
+# Triton Snake + pad kernel; both fused and the F0 predictor as float64 GEMMs (the default); the
+# decode's convs as Triton launches (optimizations.hift_triton_convs).
 VARIANTS = {"unfused": {"fused_snake": False, "f0_gemm": False}, "fused": {"fused_snake": True, "f0_gemm": False},
-            "f0-gemm": {"fused_snake": True, "f0_gemm": True}}
+            "f0-gemm": {"fused_snake": True, "f0_gemm": True},
+            "triton-convs": {"fused_snake": True, "f0_gemm": True, "triton_convs": True}}
 
 
 def main(argv=None):

@@ -391,3 +391,60 @@ def test_fused_snake_on_cuda_equals_eager():
         for step in range(2):
             jobs = [HiftJob((step, i), m, True) for i, m in enumerate(mels)]
             assert all(torch.equal(a, b) for a, b in zip(on.run(jobs), off.run(jobs))), (graphs, step)
+
+
+def _snr_db(got, want):
+    g, w = got.double().flatten(), want.double().flatten()
+    return (10 * torch.log10(w.pow(2).sum() / (g - w).pow(2).sum().clamp_min(1e-300))).item()
+
+
+@pytest.mark.gpu
+def test_triton_convs_on_cuda_against_float32():
+    """HiFT's decode as Triton convs (``triton_convs=True``) at the full size, whole responses of
+    three lengths batched and one stream in chunks, against strict float32 cuDNN: in TF32 as
+    close as cuDNN's own TF32 (SNR no more than 3 dB under it), in float32 at least as close as
+    that; exact lengths; a graph replay equal to the eager call bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    torch.manual_seed(0)
+    model = CausalHiFTGenerator(HiFTConfig())
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias.fill_(150.0)
+        for m in model.modules():
+            if isinstance(m, Snake):
+                m.alpha.uniform_(0.2, 3.0)
+    model = model.cuda().eval()
+    mels = [(random_mel(n, n, scale=1.0) - 5).cuda() for n in (80, 130, 200)]
+    hops = [50, 100, 31]
+
+    def waves(tf32, **kw):
+        torch.backends.cudnn.allow_tf32 = tf32
+        runner = HiftRunner(model, f0_gemm=True, **kw)
+        whole = runner.run([HiftJob(("w", i), m, True) for i, m in enumerate(mels)])
+        pos, parts = 0, []
+        for i, n in enumerate(hops):
+            parts.append(runner.run([HiftJob("s", mels[2][:, :, pos:pos + n], i == len(hops) - 1)])[0])
+            pos += n
+        return [*whole, torch.cat(parts, 1)]
+
+    try:
+        ref = waves(False)
+        cudnn_tf32 = waves(True, fused_snake=True)
+        triton_tf32 = waves(True, triton_convs=True)
+        triton_ieee = waves(False, triton_convs=True)
+        torch.backends.cudnn.allow_tf32 = True
+        graphed = HiftRunner(model, f0_gemm=True, triton_convs=True, graphs=dict(capture_after=1))
+        eager = HiftRunner(model, f0_gemm=True, triton_convs=True, graphs=dict(enabled=False))
+        for tag in ("capture", "replay"):
+            jobs = [HiftJob((tag, i), m, True) for i, m in enumerate(mels)]
+            assert all(torch.equal(a, b) for a, b in zip(graphed.run(jobs), eager.run(jobs))), tag
+        assert graphed.graphs.stats.hits >= 1
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    for i, r in enumerate(ref):
+        snr = {name: _snr_db(w[i], r) for name, w in (("cudnn tf32", cudnn_tf32), ("triton tf32", triton_tf32),
+                                                      ("triton float32", triton_ieee))}
+        print(f"HiFT triton convs, wave {i}: SNR dB against float32 cuDNN", {k: round(v, 1) for k, v in snr.items()})
+        assert all(w[i].shape == r.shape for w in (cudnn_tf32, triton_tf32, triton_ieee))
+        assert snr["triton tf32"] >= snr["cudnn tf32"] - 3.0, snr
+        assert snr["triton float32"] >= snr["cudnn tf32"], snr

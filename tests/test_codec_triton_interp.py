@@ -121,3 +121,81 @@ def test_gated_residual_ln_without_the_residual_store():
     want = K.gated_residual_ln(h, gate, y, scale1, shift, 1e-6)[1]
     none, got = K.gated_residual_ln(h, gate, y, scale1, shift, 1e-6, keep_h=False)
     assert none is None and torch.equal(got, want)
+
+
+def _snake_ref(x, alpha, inv):
+    return x + inv[None, :, None] * torch.sin(x * alpha[None, :, None]).pow(2)
+
+
+def test_hift_conv_kernel_covers_every_conv_geometry():
+    """``triton_conv.conv1d`` against F.conv1d for each way HiFT pads, dilates, strides and
+    upsamples, with odd channel counts (masked blocks) and lengths past one tile."""
+    from cosybatch.codec import triton_conv as C
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 18, 150, generator=g)
+    for c_out, k, dil in ((24, 3, 1), (24, 7, 3), (80, 11, 5)):
+        w, b = torch.randn(c_out, 18, k, generator=g) / 8, torch.randn(c_out, generator=g)
+        pad = (k - 1) * dil
+        want = F.conv1d(F.pad(x, (pad, 0)), w, b, dilation=dil)  # left-causal
+        got = C.conv1d(x, C.conv_weight(w), b, t_out=150, shift=pad, dilation=dil)
+        assert (got - want).abs().max() <= 1e-4, (c_out, k, dil)
+    w, b = torch.randn(40, 18, 5, generator=g) / 8, torch.randn(40, generator=g)
+    want = F.conv1d(F.pad(x, (0, 4)), w, b)  # right-causal (conv_pre, zeros past the end)
+    assert (C.conv1d(x, C.conv_weight(w), b, t_out=150) - want).abs().max() <= 1e-4
+    w6 = torch.randn(40, 18, 6, generator=g) / 8
+    want = F.conv1d(F.pad(x, (2, 0)), w6, b, stride=3)  # the source downsampling: 2 zeros, stride 3
+    assert want.shape[2] == 49
+    assert (C.conv1d(x, C.conv_weight(w6), b, t_out=49, shift=2, stride=3) - want).abs().max() <= 1e-4
+    w7 = torch.randn(40, 18, 7, generator=g) / 8  # LeakyReLU, nearest x5 upsampling, left-causal
+    up = F.interpolate(F.leaky_relu(x, 0.1), scale_factor=5.0, mode="nearest")
+    want = F.conv1d(F.pad(up, (6, 0)), w7, b)
+    got = C.conv1d(x, C.conv_weight(w7), b, t_out=750, shift=6, up=5, leaky=0.1)
+    assert (got - want).abs().max() <= 1e-4
+
+
+def test_hift_conv_kernel_epilogues():
+    """Snake of the output, + residual, other + it, / n, and the second output (Snake with other
+    alphas), each in the eager ops' order."""
+    from cosybatch.codec import triton_conv as C
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 32, 70, generator=g)
+    w, b = torch.randn(32, 32, 3, generator=g) / 6, torch.randn(32, generator=g)
+    conv = F.conv1d(F.pad(x, (2, 0)), w, b)
+    wt = C.conv_weight(w)
+    alpha, alpha2 = torch.rand(32, generator=g) + 0.3, torch.rand(32, generator=g) + 0.3
+    s1, s2 = (alpha, 1.0 / (alpha + 1e-9)), (alpha2, 1.0 / (alpha2 + 1e-9))
+    other = torch.randn_like(x)
+    got = C.conv1d(x, wt, b, t_out=70, shift=2, snake=s1)
+    assert (got - _snake_ref(conv, *s1)).abs().max() <= 1e-4
+    y, y2 = C.conv1d(x, wt, b, t_out=70, shift=2, residual=x, snake_out=s2)
+    assert (y - (conv + x)).abs().max() <= 1e-4 and (y2 - _snake_ref(conv + x, *s2)).abs().max() <= 1e-4
+    got = C.conv1d(x, wt, b, t_out=70, shift=2, residual=x, add=other, div=3.0)
+    assert (got - (other + (conv + x)) / 3).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="cannot be added"):
+        C.conv1d(x, wt, b, t_out=70, shift=2, residual=x[:, :, :60].contiguous())
+
+
+def test_hift_triton_decode_is_the_modules_decode():
+    """``HiftConvs.decode_spec`` against ``CausalHiFTGenerator.decode_spec(finalize=True)`` on a
+    narrow HiFT of the full geometry (its rates, kernels, dilations) with trained-like Snake
+    alphas, two rows: the same stack, summed in another order."""
+    from cosybatch.codec.hift_convs import HiftConvs
+    from cosybatch.models.config import HiFTConfig
+    from cosybatch.models.hift import CausalHiFTGenerator, Snake
+
+    torch.manual_seed(6)
+    hift = CausalHiFTGenerator(HiFTConfig(base_channels=32, f0_cond_channels=16)).eval()
+    with torch.no_grad():
+        for m in hift.modules():
+            if isinstance(m, Snake):
+                m.alpha.uniform_(0.2, 3.0)
+    frames = 4
+    mel = torch.randn(2, 80, frames)
+    s_stft = torch.randn(2, hift.cfg.n_fft + 2, frames * hift.up_total + 1)
+    with torch.inference_mode():
+        want = hift.decode_spec(mel, s_stft, finalize=True)
+        got = HiftConvs(hift).decode_spec(mel, s_stft)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.gpu.graph_cache import GraphCache
+from cosybatch.codec.hift_convs import HiftConvs
 from cosybatch.codec.istft import CachedISTFT
 from cosybatch.codec.f0_gemm import F0Gemm
 from cosybatch.codec.snake import SnakePad
@@ -138,13 +139,15 @@ class HiftRunner:
     keeps the whole history (the official recompute, for comparison and for configs where
     the phase shortcut does not apply). ``f0_gemm``: the float64 F0 predictor as GEMMs
     (``codec.f0_gemm.F0Gemm``; None: on CUDA, where cuDNN's float64 convs are slow).
+    ``triton_convs``: the decode's convs as Triton launches with their activations and adds
+    folded in (``codec.hift_convs``; CUDA), instead of cuDNN and ``fused_snake``'s kernels.
     """
 
     def __init__(self, hift: CausalHiFTGenerator, *, graphs: bool | dict = False,
                  max_batch: int = 64, max_batch_frames: int = 8192,
                  frame_bucket: int | None = None, bounded: bool = True,
                  context_frames: int | None = None, fused_snake: bool = False,
-                 f0_gemm: bool | None = None) -> None:
+                 f0_gemm: bool | None = None, triton_convs: bool = False) -> None:
         self.hift = hift
         self.cfg = hift.cfg
         self.spf = hift.samples_per_frame
@@ -168,6 +171,7 @@ class HiftRunner:
         # The resblocks' Snake + causal pad + conv biases + residual as Triton kernels
         # (cosybatch.codec.snake); None: the eager ops
         self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
+        self.convs = HiftConvs(hift) if triton_convs else None
         if f0_gemm is None:
             f0_gemm = self.device.type == "cuda"
         self._f0 = F0Gemm(hift.f0_predictor) if f0_gemm else functools.partial(hift.f0_predictor, finalize=True)
@@ -364,7 +368,10 @@ class HiftRunner:
         by ``frame_mask``/``envelope``. Decodes as ``finalize=True``; a streaming row's
         look-ahead is handled by the caller keeping only samples that do not depend on it.
         """
-        spec = self.hift.decode_spec(mel, s_stft, finalize=True, snake_pad=self.snake_pad)
+        if self.convs is not None:
+            spec = self.convs.decode_spec(mel, s_stft)
+        else:
+            spec = self.hift.decode_spec(mel, s_stft, finalize=True, snake_pad=self.snake_pad)
         nb = self.cfg.n_fft // 2 + 1
         magnitude = torch.exp(spec[:, :nb, :]).clip(max=1e2)
         phase = torch.sin(spec[:, nb:, :])

@@ -158,6 +158,11 @@ class Optimizations:
     # and residual adds, the flow's head-0 rotary and position convs (each checked against its
     # eager ops on the GPU; no effect on CPUs or without Triton)
     triton_kernels: bool = True
+    # HiFT's decode on CUDA as ~96 Triton launches, each a conv with the Snake / LeakyReLU,
+    # bias, residual and resblock sums folded in, in place of cuDNN (~720 launches per call and
+    # a per-shape plan: ~100 ms of host time at a shape's first call). TF32 products when
+    # codec.hift_tf32 is on, float32 otherwise; not bit-equal to cuDNN (another summation order)
+    hift_triton_convs: bool = False
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
     # Capture at start-up, before the first row, every flow bucket of solves of at most this many
