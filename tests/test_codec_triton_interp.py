@@ -127,9 +127,14 @@ def _snake_ref(x, alpha, inv):
     return x + inv[None, :, None] * torch.sin(x * alpha[None, :, None]).pow(2)
 
 
+def _cl(x):  # NCL <-> channels-last
+    return x.transpose(1, 2).contiguous()
+
+
 def test_hift_conv_kernel_covers_every_conv_geometry():
     """``triton_conv.conv1d`` against F.conv1d for each way HiFT pads, dilates, strides and
-    upsamples, with odd channel counts (masked blocks) and lengths past one tile."""
+    upsamples, NCL and channels-last in and out, with odd channel counts (masked blocks) and
+    lengths past one tile."""
     from cosybatch.codec import triton_conv as C
 
     g = torch.Generator().manual_seed(4)
@@ -138,49 +143,72 @@ def test_hift_conv_kernel_covers_every_conv_geometry():
         w, b = torch.randn(c_out, 18, k, generator=g) / 8, torch.randn(c_out, generator=g)
         pad = (k - 1) * dil
         want = F.conv1d(F.pad(x, (pad, 0)), w, b, dilation=dil)  # left-causal
-        got = C.conv1d(x, C.conv_weight(w), b, t_out=150, shift=pad, dilation=dil)
-        assert (got - want).abs().max() <= 1e-4, (c_out, k, dil)
+        got = C.conv1d(_cl(x), C.conv_weight(w), b, t_out=150, shift=pad, dilation=dil)
+        assert (_cl(got) - want).abs().max() <= 1e-4, (c_out, k, dil)
     w, b = torch.randn(40, 18, 5, generator=g) / 8, torch.randn(40, generator=g)
-    want = F.conv1d(F.pad(x, (0, 4)), w, b)  # right-causal (conv_pre, zeros past the end)
-    assert (C.conv1d(x, C.conv_weight(w), b, t_out=150) - want).abs().max() <= 1e-4
+    want = F.conv1d(F.pad(x, (0, 4)), w, b)  # right-causal (conv_pre, zeros past the end), NCL in and out
+    got = C.conv1d(x, C.conv_weight(w), b, t_out=150, x_cl=False, y_cl=False)
+    assert (got - want).abs().max() <= 1e-4
     w6 = torch.randn(40, 18, 6, generator=g) / 8
     want = F.conv1d(F.pad(x, (2, 0)), w6, b, stride=3)  # the source downsampling: 2 zeros, stride 3
     assert want.shape[2] == 49
-    assert (C.conv1d(x, C.conv_weight(w6), b, t_out=49, shift=2, stride=3) - want).abs().max() <= 1e-4
+    got = C.conv1d(x, C.conv_weight(w6), b, t_out=49, shift=2, stride=3, x_cl=False)
+    assert (_cl(got) - want).abs().max() <= 1e-4
     w7 = torch.randn(40, 18, 7, generator=g) / 8  # LeakyReLU, nearest x5 upsampling, left-causal
     up = F.interpolate(F.leaky_relu(x, 0.1), scale_factor=5.0, mode="nearest")
     want = F.conv1d(F.pad(up, (6, 0)), w7, b)
-    got = C.conv1d(x, C.conv_weight(w7), b, t_out=750, shift=6, up=5, leaky=0.1)
-    assert (got - want).abs().max() <= 1e-4
+    got = C.conv1d(_cl(x), C.conv_weight(w7), b, t_out=750, shift=6, up=5, leaky=0.1)
+    assert (_cl(got) - want).abs().max() <= 1e-4
 
 
-def test_hift_conv_kernel_epilogues():
+def test_hift_conv_kernel_epilogues_and_snake():
     """Snake of the output, + residual, other + it, / n, and the second output (Snake with other
-    alphas), each in the eager ops' order."""
+    alphas), each in the eager ops' order; the channels-last Snake kernel."""
     from cosybatch.codec import triton_conv as C
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 32, 70, generator=g)
     w, b = torch.randn(32, 32, 3, generator=g) / 6, torch.randn(32, generator=g)
     conv = F.conv1d(F.pad(x, (2, 0)), w, b)
-    wt = C.conv_weight(w)
+    wt, xc = C.conv_weight(w), _cl(x)
     alpha, alpha2 = torch.rand(32, generator=g) + 0.3, torch.rand(32, generator=g) + 0.3
     s1, s2 = (alpha, 1.0 / (alpha + 1e-9)), (alpha2, 1.0 / (alpha2 + 1e-9))
     other = torch.randn_like(x)
-    got = C.conv1d(x, wt, b, t_out=70, shift=2, snake=s1)
-    assert (got - _snake_ref(conv, *s1)).abs().max() <= 1e-4
-    y, y2 = C.conv1d(x, wt, b, t_out=70, shift=2, residual=x, snake_out=s2)
-    assert (y - (conv + x)).abs().max() <= 1e-4 and (y2 - _snake_ref(conv + x, *s2)).abs().max() <= 1e-4
-    got = C.conv1d(x, wt, b, t_out=70, shift=2, residual=x, add=other, div=3.0)
-    assert (got - (other + (conv + x)) / 3).abs().max() <= 1e-4
+    assert (_cl(C.snake(xc, *s1)) - _snake_ref(x, *s1)).abs().max() <= 1e-6
+    got = C.conv1d(xc, wt, b, t_out=70, shift=2, snake=s1)
+    assert (_cl(got) - _snake_ref(conv, *s1)).abs().max() <= 1e-4
+    y, y2 = C.conv1d(xc, wt, b, t_out=70, shift=2, residual=xc, snake_out=s2)
+    assert (_cl(y) - (conv + x)).abs().max() <= 1e-4 and (_cl(y2) - _snake_ref(conv + x, *s2)).abs().max() <= 1e-4
+    got = C.conv1d(xc, wt, b, t_out=70, shift=2, residual=xc, add=_cl(other), div=3.0)
+    assert (_cl(got) - (other + (conv + x)) / 3).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="cannot be added"):
-        C.conv1d(x, wt, b, t_out=70, shift=2, residual=x[:, :, :60].contiguous())
+        C.conv1d(xc, wt, b, t_out=70, shift=2, residual=xc[:, :60].contiguous())
+
+
+def test_hift_conv_kernel_rounds_tf32_operands_to_nearest():
+    """In TF32 the kernel rounds both operands to the nearest TF32 value (ties away) before the
+    product, as cuDNN's TF32 does, instead of letting the MMA truncate them: its result is the
+    float32 conv of the rounded operands."""
+    from cosybatch.codec import triton_conv as C
+
+    def rna(t):  # round float32 to 10 mantissa bits, ties away from zero
+        bits = t.view(torch.int32).to(torch.int64)
+        return (((bits + 0x1000) >> 13) << 13).to(torch.int32).view(torch.float32)
+
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(2, 40, 64, generator=g), torch.randn(32, 40, 3, generator=g), torch.randn(32, generator=g)
+    assert torch.equal(rna(torch.tensor([1 + 2**-11, 1 + 2**-12, -(1 + 2**-11)])),
+                       torch.tensor([1 + 2**-10, 1.0, -(1 + 2**-10)]))
+    want = F.conv1d(F.pad(rna(x), (2, 0)), rna(w), b)
+    got = _cl(C.conv1d(_cl(x), C.conv_weight(w), b, t_out=64, shift=2, tf32=True))
+    assert (got - want).abs().max() <= 1e-4
+    assert (got - F.conv1d(F.pad(x, (2, 0)), w, b)).abs().max() > 1e-4  # it did round
 
 
 def test_hift_triton_decode_is_the_modules_decode():
     """``HiftConvs.decode_spec`` against ``CausalHiFTGenerator.decode_spec(finalize=True)`` on a
     narrow HiFT of the full geometry (its rates, kernels, dilations) with trained-like Snake
-    alphas, two rows: the same stack, summed in another order."""
+    alphas, two rows, float32 products: the same stack, summed in another order."""
     from cosybatch.codec.hift_convs import HiftConvs
     from cosybatch.models.config import HiFTConfig
     from cosybatch.models.hift import CausalHiFTGenerator, Snake
@@ -194,8 +222,13 @@ def test_hift_triton_decode_is_the_modules_decode():
     frames = 4
     mel = torch.randn(2, 80, frames)
     s_stft = torch.randn(2, hift.cfg.n_fft + 2, frames * hift.up_total + 1)
-    with torch.inference_mode():
-        want = hift.decode_spec(mel, s_stft, finalize=True)
-        got = HiftConvs(hift).decode_spec(mel, s_stft)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            want = hift.decode_spec(mel, s_stft, finalize=True)
+            got = HiftConvs(hift).decode_spec(mel, s_stft)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -1,26 +1,28 @@
-"""One Triton kernel for every convolution of HiFT's decode stack (imported only where Triton
-runs: CUDA, or the CPU interpreter in tests).
+"""One Triton kernel for every convolution of HiFT's decode stack, channels-last (imported only
+where Triton runs: CUDA, or the CPU interpreter in tests).
 
-cuDNN runs HiFT's float32 convs in NCL with a plan per shape: a streaming call launched ~720
-kernels (the convs, layout transposes around them, the Snake and bias kernels) and a shape's
-first call spends ~100 ms of host time on plans (docs/performance.md). This kernel is an
-implicit GEMM over NCL tensors as they are: a program computes a [time, out-channel] tile as
-the sum over taps and input-channel blocks of [time, in] x [in, out] products, reading each
-tap's shifted input straight from x (zeros outside it: the causal padding), with
+cuDNN runs HiFT's float32 convs on NCL tensors: a 6-request streaming call on the H200 was 721
+launches and 10.65 ms of kernels, 2.2 ms of them layout transposes around the convs and 1.9 ms
+the Snake and bias kernels between them, and a shape's first call spends ~100 ms of host time
+on plans (docs/performance.md). This kernel is an implicit GEMM over channels-last activations
+[B, T, C]: a program computes a [time, out-channel] tile as the sum over taps and input-channel
+blocks of [time, in] x [in, out] products, both operands contiguous along the summed channels
+(what the tensor cores read without a transpose), each tap's input read straight from x at its
+shifted rows (zeros outside: the causal padding). It covers
 
 * the input side of every conv HiFT has: left- or right-causal padding (``shift``), dilation,
-  stride (the source downsampling) and nearest upsampling by ``up`` (the ``ups`` convs, whose
-  input is repeated ``up`` times before a left-causal conv), and LeakyReLU applied to the
-  loaded input (it maps 0 to 0, so padding stays zero);
+  stride (the source downsampling), nearest upsampling by ``up`` (the ``ups`` convs, whose
+  input is repeated ``up`` times before a left-causal conv), LeakyReLU of the loaded input
+  (0 stays 0, so padding stays zero), and an NCL input (the mel, the source STFT);
 * the output side: the bias, then optionally Snake (the activation before the next conv of a
-  resblock pair), a residual add, an add of another tensor and a division (a stage's resblock
-  sum and its mean), and a second output, Snake of the result with other alphas (the first
-  activation of the next pair).
+  resblock step), a residual add, an add of another tensor and a division (a stage's resblock
+  sum and its mean), a second output (Snake of the result with other alphas: the first
+  activation of the next step), and an NCL output (``conv_post``, for the ISTFT).
 
 Snake is x + inv * sin(alpha * x)^2 with ``inv = 1 / (alpha + 1e-9)`` precomputed by PyTorch,
-as the eager module and ``triton_kernels.snake_pad`` evaluate it. The products run on tensor
-cores in TF32 or, ``ieee``, in float32; cuDNN's TF32 sums in another order, so the outputs are
-not bit-equal to its (the tests bound them against float32).
+as the eager module evaluates it. Products in TF32 round both operands to nearest first (the
+MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32),
+or run in float32 (``ieee``). cuDNN sums in another order, so outputs are not bit-equal to its.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ else:  # the CUDA math library's sinf, as PyTorch's own kernels use
 
     _sin = libdevice.sin
 
-ACT_NONE, ACT_LEAKY = 0, 1
+
+@triton.jit
+def _tf32(x):
+    """float32 -> the nearest TF32 value (ties away from zero), as cvt.rna.tf32.f32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (((bits + 0x1000) >> 13) << 13).to(tl.float32, bitcast=True)  # + half the dropped 13 bits' step
 
 
 @triton.jit
@@ -52,40 +59,46 @@ def _snake(y, alpha_ptr, inv_ptr, co, cmask):
 
 
 # The geometry is runtime arguments, none specialised: one compiled kernel per combination of
-# the fused steps (~8 in HiFT), not per conv and length (each compile costs the first run ~1 s).
+# the fused steps (~8 in HiFT), not per conv and length (each compile costs a first run ~1 s).
 @triton.jit(do_not_specialize=["C_in", "C_out", "T_in", "T_out", "shift", "K", "DIL", "STRIDE", "UP"])
 def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_ptr, y2_ptr, alpha2_ptr, inv2_ptr,
                    C_in, C_out, T_in, T_out, shift, K, DIL, STRIDE, UP, slope, div,
-                   ACT: tl.constexpr, SNAKE: tl.constexpr, RES: tl.constexpr,
-                   ADD: tl.constexpr, DIV: tl.constexpr, OUT2: tl.constexpr, IEEE: tl.constexpr,
+                   X_CL: tl.constexpr, Y_CL: tl.constexpr, LEAKY: tl.constexpr, SNAKE: tl.constexpr,
+                   RES: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr, OUT2: tl.constexpr, TF32: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
     cmask = co < C_out
     ci_r = tl.arange(0, BLOCK_CI)
-    x_row = x_ptr + b * C_in * T_in
     n_ci = tl.cdiv(C_in, BLOCK_CI)
     acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
-    for i in range(K * n_ci):  # one flat loop over (tap, input block), so loads pipeline
+    for i in range(K * n_ci):  # one flat loop over (tap, input block), so its loads pipeline
         k = i // n_ci
         ci = (i % n_ci) * BLOCK_CI + ci_r
         pos = t * STRIDE + k * DIL - shift  # in the (upsampled) input's frames
         inside = (pos >= 0) & (pos < T_in * UP)
-        src = tl.where(inside, pos, 0) // UP
+        src = (tl.where(inside, pos, 0) // UP).to(tl.int64)
         xm = inside[:, None] & (ci < C_in)[None, :]
-        xt = tl.load(x_row + ci[None, :].to(tl.int64) * T_in + src[:, None], mask=xm, other=0.0)
-        if ACT == 1:  # LeakyReLU before the conv (F.leaky_relu: x if x > 0 else x * slope)
-            xt = tl.where(xt > 0, xt, xt * slope)
-        wt = tl.load(w_ptr + (k * C_in + ci)[:, None] * C_out + co[None, :],
-                     mask=(ci < C_in)[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(xt, wt, acc, input_precision="ieee")
+        if X_CL:
+            xp = x_ptr + (b * T_in + src[:, None]) * C_in + ci[None, :]
         else:
-            acc = tl.dot(xt, wt, acc, input_precision="tf32")
+            xp = x_ptr + (b * C_in + ci[None, :]) * T_in + src[:, None]
+        xt = tl.load(xp, mask=xm, other=0.0)
+        if LEAKY:  # F.leaky_relu: x if x > 0 else x * slope
+            xt = tl.where(xt > 0, xt, xt * slope)
+        wt = tl.load(w_ptr + (k * C_out + co[None, :]).to(tl.int64) * C_in + ci[:, None],
+                     mask=(ci < C_in)[:, None] & cmask[None, :], other=0.0)
+        if TF32:
+            acc = tl.dot(_tf32(xt), _tf32(wt), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
     # the eager ops' order: conv + bias, then Snake, or + residual, then other + it, then / div
     y = acc + tl.load(b_ptr + co, mask=cmask, other=0.0)[None, :]
-    off = b * C_out * T_out + co[None, :].to(tl.int64) * T_out + t[:, None]
+    if Y_CL:
+        off = (b * T_out + t[:, None]) * C_out + co[None, :]
+    else:
+        off = (b * C_out + co[None, :]) * T_out + t[:, None]
     omask = (t < T_out)[:, None] & cmask[None, :]
     if SNAKE:
         y = _snake(y, alpha_ptr, inv_ptr, co, cmask)
@@ -100,41 +113,71 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
         tl.store(y2_ptr + off, _snake(y, alpha2_ptr, inv2_ptr, co, cmask), mask=omask)
 
 
+@triton.jit
+def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, y_ptr, n, C, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    c = idx % C
+    x = tl.load(x_ptr + idx, mask=m, other=0.0)
+    a = tl.load(alpha_ptr + c, mask=m, other=1.0)
+    inv = tl.load(inv_ptr + c, mask=m, other=0.0)
+    s = _sin(x * a)
+    tl.store(y_ptr + idx, x + inv * (s * s), mask=m)
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Snake of channels-last x [B, T, C] float32 (alpha, inv [C])."""
+    y = torch.empty_like(x)
+    if x.numel():
+        block = 1024
+        # no multiply-add contraction: the eager ops round after each multiply
+        _snake_kernel[(triton.cdiv(x.numel(), block),)](x, alpha, inv, y, x.numel(), x.shape[-1], BLOCK=block,
+                                                         num_warps=4, enable_fp_fusion=False)
+    return y
+
+
 def conv_weight(w: torch.Tensor) -> torch.Tensor:
-    """A Conv1d weight [out, in, K] as the kernel reads it: [K, in, out], contiguous."""
-    return w.detach().permute(2, 1, 0).contiguous()
+    """A Conv1d weight [out, in, K] as the kernel reads it: [K, out, in], contiguous along in."""
+    return w.detach().permute(2, 0, 1).contiguous()
+
+
+def conv_blocks(t_out: int, c_out: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_CI, BLOCK_CO, warps, stages) of a launch."""
+    return (128 if t_out >= 2048 else 64), 32, max(16, min(64, triton.next_power_of_2(c_out))), 4, 3
 
 
 def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, shift: int = 0, dilation: int = 1,
-           stride: int = 1, up: int = 1, leaky: float | None = None,
+           stride: int = 1, up: int = 1, leaky: float | None = None, x_cl: bool = True, y_cl: bool = True,
            snake: tuple[torch.Tensor, torch.Tensor] | None = None, residual: torch.Tensor | None = None,
            add: torch.Tensor | None = None, div: float | None = None,
-           snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, ieee: bool = False):
-    """y[b, o, t] = bias[o] + sum over k, i of w[k, i, o] * act(x_up[b, i, t * stride + k * dilation - shift])
-    for x [B, in, T_in] float32 (x_up: x repeated ``up`` times along time; outside it zeros; act:
-    LeakyReLU with slope ``leaky`` or none), ``w`` from ``conv_weight``. Then Snake(y) with
-    ``snake`` = (alpha, inv), + ``residual``, ``add`` + y, y / ``div``, in that order. Returns y
-    [B, out, t_out], and (y, Snake(y) with ``snake_out``'s alphas) when ``snake_out`` is given."""
-    B, c_in, t_in = x.shape
-    k, c_in_w, c_out = w.shape
+           snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, tf32: bool = False):
+    """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
+    for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
+    time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
+    ``conv_weight``. Then Snake(y) with ``snake`` = (alpha, inv), + ``residual``, ``add`` + y,
+    y / ``div``, in that order. Returns y [B, t_out, out] (``y_cl``) or [B, out, t_out], and
+    (y, Snake(y) with ``snake_out``'s alphas) when ``snake_out`` is given."""
+    B = x.shape[0]
+    c_in, t_in = (x.shape[2], x.shape[1]) if x_cl else (x.shape[1], x.shape[2])
+    k, c_out, c_in_w = w.shape
     if c_in_w != c_in or not x.is_contiguous() or x.dtype != torch.float32:
         raise ValueError(f"conv1d: x {tuple(x.shape)} {x.dtype} does not fit w {tuple(w.shape)}")
+    shape = (B, t_out, c_out) if y_cl else (B, c_out, t_out)
     for other in (residual, add):
-        if other is not None and (other.shape != (B, c_out, t_out) or not other.is_contiguous()):
-            raise ValueError(f"conv1d: {tuple(other.shape)} cannot be added to [{B}, {c_out}, {t_out}]")
-    y = torch.empty(B, c_out, t_out, device=x.device, dtype=x.dtype)
+        if other is not None and (tuple(other.shape) != shape or not other.is_contiguous()):
+            raise ValueError(f"conv1d: {tuple(other.shape)} cannot be added to {list(shape)}")
+    y = torch.empty(shape, device=x.device, dtype=x.dtype)
     y2 = torch.empty_like(y) if snake_out is not None else y
     if y.numel():
-        block_co = max(16, min(64, triton.next_power_of_2(c_out)))
-        block_t = 128 if t_out >= 4096 else 64
-        grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_co), B)
+        bt, bci, bco, warps, stages = conv_blocks(t_out, c_out)
+        grid = (triton.cdiv(t_out, bt), triton.cdiv(c_out, bco), B)
         a1, i1 = snake if snake is not None else (bias, bias)
         a2, i2 = snake_out if snake_out is not None else (bias, bias)
         _conv1d_kernel[grid](x, w, bias, y, a1, i1, y if residual is None else residual, y if add is None else add,
                              y2, a2, i2, c_in, c_out, t_in, t_out, shift, k, dilation, stride, up,
                              0.0 if leaky is None else float(leaky), float(div or 1.0),
-                             ACT=ACT_NONE if leaky is None else ACT_LEAKY, SNAKE=snake is not None,
+                             X_CL=x_cl, Y_CL=y_cl, LEAKY=leaky is not None, SNAKE=snake is not None,
                              RES=residual is not None, ADD=add is not None, DIV=div is not None,
-                             OUT2=snake_out is not None, IEEE=ieee, BLOCK_T=block_t, BLOCK_CI=32,
-                             BLOCK_CO=block_co, num_warps=4, num_stages=3)
+                             OUT2=snake_out is not None, TF32=tf32, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco,
+                             num_warps=warps, num_stages=stages)
     return (y, y2) if snake_out is not None else y
