@@ -23,7 +23,8 @@
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2 (two keys at once)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
-#        hiftconvs (optimizations.hift_triton_convs: its GPU test, and profile_hift beside the cuDNN path)
+#        hiftconvs (optimizations.hift_triton_convs: its GPU test, and profile_hift beside the cuDNN path),
+#        hiftconvbench (the decode stack alone: cuDNN vs the Triton convs under several tiles)
 #        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
@@ -123,6 +124,8 @@ for step in "$@"; do
       echo "rc=$?" >> "$OUT/hiftconvs_tests.txt"; grep -E "passed|failed|Error|SNR" "$OUT/hiftconvs_tests.txt" | cut -c1-300 | tail -12
       timeout 200 python3 scripts/profile_hift.py --requests 6 --variants f0-gemm,triton-convs --json "$OUT/profile_hiftconvs.json" 2>&1 \
         | tee "$OUT/profile_hiftconvs.txt" | grep -E "^\||outputs" ;;
+    hiftconvbench) log "bench_hift_convs: HiFT's decode stack, cuDNN vs the Triton convs under several tiles"
+      timeout 300 python3 scripts/bench_hift_convs.py --json "$OUT/bench_hift_convs.json" 2>&1 | tee "$OUT/bench_hift_convs.txt" | grep "^|" ;;
     hifttests) log "pytest -m gpu tests/test_codec_hift.py tests/test_graph_cache.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codec_hift.py tests/test_graph_cache.py > "$OUT/hift_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hift_tests.txt"; tail -4 "$OUT/hift_tests.txt" ;;
