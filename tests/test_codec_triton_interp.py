@@ -186,9 +186,10 @@ def test_hift_conv_kernel_epilogues_and_snake():
 
 
 def test_hift_conv_kernel_rounds_tf32_operands_to_nearest():
-    """In TF32 the kernel rounds both operands to the nearest TF32 value (ties away) before the
-    product, as cuDNN's TF32 does, instead of letting the MMA truncate them: its result is the
-    float32 conv of the rounded operands."""
+    """In TF32 both operands are rounded to the nearest TF32 value (ties away) before the
+    product, as cuDNN's TF32 does, instead of letting the MMA truncate them (the input in the
+    kernel, the weights by ``conv_weight``): the result is the float32 conv of the rounded
+    operands."""
     from cosybatch.codec import triton_conv as C
 
     def rna(t):  # round float32 to 10 mantissa bits, ties away from zero
@@ -199,8 +200,9 @@ def test_hift_conv_kernel_rounds_tf32_operands_to_nearest():
     x, w, b = torch.randn(2, 40, 64, generator=g), torch.randn(32, 40, 3, generator=g), torch.randn(32, generator=g)
     assert torch.equal(rna(torch.tensor([1 + 2**-11, 1 + 2**-12, -(1 + 2**-11)])),
                        torch.tensor([1 + 2**-10, 1.0, -(1 + 2**-10)]))
+    assert torch.equal(C.round_tf32(w), rna(w))
     want = F.conv1d(F.pad(rna(x), (2, 0)), rna(w), b)
-    got = _cl(C.conv1d(_cl(x), C.conv_weight(w), b, t_out=64, shift=2, tf32=True))
+    got = _cl(C.conv1d(_cl(x), C.conv_weight(w, tf32=True), b, t_out=64, shift=2, tf32=True))
     assert (got - want).abs().max() <= 1e-4
     assert (got - F.conv1d(F.pad(x, (2, 0)), w, b)).abs().max() > 1e-4  # it did round
 

@@ -37,14 +37,16 @@ class HiftConvs:
         convs = [hift.conv_pre, hift.conv_post, *hift.ups, *hift.source_downs]
         for rb in (*hift.source_resblocks, *hift.resblocks):
             convs += [*rb.convs1, *rb.convs2]
-        self._w = {c: (triton_conv.conv_weight(c.weight), c.bias.detach()) for c in convs}
+        # float32 and TF32-rounded weights: the TF32 switch is read at each call
+        self._w = {c: {tf32: triton_conv.conv_weight(c.weight, tf32) for tf32 in (False, True)} for c in convs}
+        self._b = {c: c.bias.detach() for c in convs}
         # the eager Snake's expression for its scale, computed by PyTorch as there
         self._alphas = {m: (m.alpha.detach(), 1.0 / (m.alpha.detach() + 1e-9))
                         for m in hift.modules() if isinstance(m, Snake)}
 
     def _conv(self, conv, x: torch.Tensor, t_out: int, **kw):
-        w, b = self._w[conv]
-        return self._tc.conv1d(x, w, b, t_out=t_out, tf32=torch.backends.cudnn.allow_tf32, **kw)
+        tf32 = torch.backends.cudnn.allow_tf32
+        return self._tc.conv1d(x, self._w[conv][tf32], self._b[conv], t_out=t_out, tf32=tf32, **kw)
 
     def _resblock(self, rb: ResBlock, x: torch.Tensor, add: torch.Tensor | None = None,
                   div: float | None = None) -> torch.Tensor:

@@ -21,8 +21,8 @@ shifted rows (zeros outside: the causal padding). It covers
 
 Snake is x + inv * sin(alpha * x)^2 with ``inv = 1 / (alpha + 1e-9)`` precomputed by PyTorch,
 as the eager module evaluates it. Products in TF32 round both operands to nearest first (the
-MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32),
-or run in float32 (``ieee``). cuDNN sums in another order, so outputs are not bit-equal to its.
+MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32;
+the weights once, by ``conv_weight``, the input as it is loaded), or run in float32. cuDNN sums in another order, so outputs are not bit-equal to its.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
             xt = tl.where(xt > 0, xt, xt * slope)
         wt = tl.load(w_ptr + (k * C_out + co[None, :]).to(tl.int64) * C_in + ci[:, None],
                      mask=(ci < C_in)[:, None] & cmask[None, :], other=0.0)
-        if TF32:
-            acc = tl.dot(_tf32(xt), _tf32(wt), acc, input_precision="tf32")
+        if TF32:  # w was rounded once, by conv_weight
+            acc = tl.dot(_tf32(xt), wt, acc, input_precision="tf32")
         else:
             acc = tl.dot(xt, wt, acc, input_precision="ieee")
     # the eager ops' order: conv + bias, then Snake, or + residual, then other + it, then / div
@@ -136,9 +136,17 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor) -> torch.Tens
     return y
 
 
-def conv_weight(w: torch.Tensor) -> torch.Tensor:
-    """A Conv1d weight [out, in, K] as the kernel reads it: [K, out, in], contiguous along in."""
-    return w.detach().permute(2, 0, 1).contiguous()
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest TF32 values (ties away from zero), as the kernel's ``_tf32``."""
+    bits = t.contiguous().view(torch.int32).to(torch.int64)
+    return (((bits + 0x1000) >> 13) << 13).to(torch.int32).view(torch.float32)
+
+
+def conv_weight(w: torch.Tensor, tf32: bool = False) -> torch.Tensor:
+    """A Conv1d weight [out, in, K] as the kernel reads it: [K, out, in], contiguous along in;
+    rounded to TF32 for ``conv1d(tf32=True)``."""
+    w = w.detach().permute(2, 0, 1).contiguous()
+    return round_tf32(w) if tf32 else w
 
 
 def conv_blocks(t_out: int, c_out: int) -> tuple[int, int, int, int, int]:
@@ -154,7 +162,7 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
     """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
     for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
     time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
-    ``conv_weight``. Then Snake(y) with ``snake`` = (alpha, inv), + ``residual``, ``add`` + y,
+    ``conv_weight`` (with its ``tf32`` as here). Then Snake(y) with ``snake`` = (alpha, inv), + ``residual``, ``add`` + y,
     y / ``div``, in that order. Returns y [B, t_out, out] (``y_cl``) or [B, out, t_out], and
     (y, Snake(y) with ``snake_out``'s alphas) when ``snake_out`` is given."""
     B = x.shape[0]
