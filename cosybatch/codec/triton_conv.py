@@ -21,8 +21,9 @@ shifted rows (zeros outside: the causal padding). It covers
 
 Snake is x + inv * sin(alpha * x)^2 with ``inv = 1 / (alpha + 1e-9)`` precomputed by PyTorch,
 as the eager module evaluates it. Products in TF32 round both operands to nearest first (the
-MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32;
-the weights once, by ``conv_weight``, the input as it is loaded), or run in float32. cuDNN sums in another order, so outputs are not bit-equal to its.
+MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32),
+the weights once (``conv_weight``) and the input as it is loaded; or they run in float32.
+cuDNN sums in another order, so outputs are not bit-equal to its.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
     """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
     for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
     time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
-    ``conv_weight`` (with its ``tf32`` as here). Then Snake(y) with ``snake`` = (alpha, inv), + ``residual``, ``add`` + y,
-    y / ``div``, in that order. Returns y [B, t_out, out] (``y_cl``) or [B, out, t_out], and
+    ``conv_weight`` (with its ``tf32`` as here). Then Snake(y) with ``snake`` = (alpha, inv),
+    + ``residual``, ``add`` + y, y / ``div``, in that order. Returns y [B, t_out, out] (``y_cl``) or [B, out, t_out], and
     (y, Snake(y) with ``snake_out``'s alphas) when ``snake_out`` is given."""
     B = x.shape[0]
     c_in, t_in = (x.shape[2], x.shape[1]) if x_cl else (x.shape[1], x.shape[2])

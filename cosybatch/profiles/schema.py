@@ -161,7 +161,9 @@ class Optimizations:
     # HiFT's decode on CUDA as ~96 Triton launches, each a conv with the Snake / LeakyReLU,
     # bias, residual and resblock sums folded in, in place of cuDNN (~720 launches per call and
     # a per-shape plan: ~100 ms of host time at a shape's first call). TF32 products when
-    # codec.hift_tf32 is on, float32 otherwise; not bit-equal to cuDNN (another summation order)
+    # codec.hift_tf32 is on, float32 otherwise; not bit-equal to cuDNN (another summation order).
+    # Off: its first version ran 2.5x slower than cuDNN on the H200; the current one is not yet
+    # measured (docs/design.md D31)
     hift_triton_convs: bool = False
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
