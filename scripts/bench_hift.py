@@ -103,7 +103,7 @@ def measure(model, mels, workload: str, per_request: bool, graphs: bool, args, d
     opts = dict(capacity=args.graph_capacity, capture_after=2) if graphs else False
     runner = HiftRunner(model, graphs=opts, max_batch=args.max_batch, max_batch_frames=args.max_batch_frames,
                         fused_snake=dev.type == "cuda" and not args.no_triton,
-                        triton_convs=dev.type == "cuda" and args.triton_convs)
+                        convs=args.hift_convs if dev.type == "cuda" else "cudnn")
     make = full_jobs if workload == "full" else stream_rounds
     for w in range(2 if graphs else 1):  # warm-up: cuDNN plans; graphs captured on 2nd use
         run_workload(runner, make(mels, f"warm{w}"), per_request)
@@ -161,7 +161,8 @@ def main() -> None:
     ap.add_argument("--batched-only", action="store_true", help="skip the one-request-per-call rows")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--no-triton", action="store_true", help="eager Snake ops (the pipeline uses the fused kernel on CUDA)")
-    ap.add_argument("--triton-convs", action="store_true", help="the decode's convs as Triton launches (optimizations.hift_triton_convs)")
+    ap.add_argument("--hift-convs", default="cudnn", choices=["cudnn", "cudnn_channels_last", "triton"],
+                    help="how the decode's convs run (optimizations.hift_convs)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device(args.device)

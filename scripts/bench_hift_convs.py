@@ -1,6 +1,6 @@
 """HiFT's decode stack (conv_pre to conv_post) as cuDNN runs it (NCL, the default; and, as a
 candidate, on channels-last tensors, which cuDNN's NHWC kernels read without the transposes it
-puts around the NCL ones) and as the Triton convs run it (``optimizations.hift_triton_convs``)
+puts around the NCL ones) and as the Triton convs run it (``optimizations.hift_convs``)
 under several tile choices, at a streaming call's shape
 and a whole-response batch's: GPU ms per call from a replayed CUDA graph, GPU ms per audio
 second, CUDA kernels per call (the profiler's count: cuDNN's own transposes included), the
@@ -26,7 +26,7 @@ from bench_hift import set_tf32  # noqa: E402
 from profile_flow import kernel_table  # noqa: E402
 
 from cosybatch.codec import triton_conv  # noqa: E402
-from cosybatch.codec.hift_convs import HiftConvs  # noqa: E402
+from cosybatch.codec.hift_convs import CudnnChannelsLastDecode, TritonConvDecode  # noqa: E402
 from cosybatch.codec.snake import SnakePad  # noqa: E402
 from cosybatch.models.config import HiFTConfig  # noqa: E402
 from cosybatch.models.hift import CausalHiFTGenerator, Snake  # noqa: E402
@@ -43,49 +43,6 @@ def tiles(bt, bci, bco_max, warps, stages):
         return (bt if t_out >= 2048 else 64), bci, max(16, min(bco_max, triton_conv.triton.next_power_of_2(c_out))), \
             warps, stages
     return blocks
-
-
-class CudnnChannelsLast:
-    """``decode_spec(mel, s_stft)`` with every conv a cuDNN conv2d over [B, C, 1, T] tensors in
-    channels-last memory, the Snakes as ``triton_conv.snake`` over that memory."""
-
-    def __init__(self, hift):
-        self.h = hift
-        self.w = {m: m.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
-                  for m in hift.modules() if isinstance(m, torch.nn.Conv1d)}
-        self.alphas = {m: (m.alpha.detach(), 1.0 / (m.alpha.detach() + 1e-9))
-                       for m in hift.modules() if isinstance(m, Snake)}
-
-    def conv(self, c, x, left, right=0):
-        x = torch.nn.functional.pad(x, (left, right))
-        return torch.nn.functional.conv2d(x, self.w[c], c.bias, stride=(1, c.stride[0]), dilation=(1, c.dilation[0]))
-
-    def snake(self, x, s):
-        y = triton_conv.snake(x.permute(0, 2, 3, 1), *self.alphas[s])  # [B, 1, T, C], contiguous
-        return y.permute(0, 3, 1, 2)
-
-    def resblock(self, rb, x):
-        for c1, c2, a1, a2 in zip(rb.convs1, rb.convs2, rb.activations1, rb.activations2):
-            x = self.conv(c2, self.snake(self.conv(c1, self.snake(x, a1), c1.causal_padding), a2), c2.causal_padding) + x
-        return x
-
-    def decode_spec(self, mel, s_stft):
-        h, F = self.h, torch.nn.functional
-        x = mel.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-        s4 = s_stft.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-        x = self.conv(h.conv_pre, x, 0, h.conv_pre.causal_padding)
-        for i, up in enumerate(h.ups):
-            x = F.interpolate(F.leaky_relu(x, h.cfg.lrelu_slope), scale_factor=(1.0, float(up.scale)), mode="nearest")
-            x = self.conv(up, x, up.causal_padding)
-            if i == h.num_upsamples - 1:
-                x = F.pad(x, (1, 0, 0, 0), mode="reflect")
-            x = x + self.resblock(h.source_resblocks[i], self.conv(h.source_downs[i], s4, h.source_downs[i].causal_padding))
-            blocks = h.resblocks[i * h.num_kernels:(i + 1) * h.num_kernels]
-            xs = self.resblock(blocks[0], x)
-            for rb in blocks[1:]:
-                xs = xs + self.resblock(rb, x)
-            x = xs / h.num_kernels
-        return self.conv(h.conv_post, F.leaky_relu(x), h.conv_post.causal_padding)[:, :, 0]
 
 
 def graph_ms(fn, reps: int) -> tuple[float, torch.Tensor]:
@@ -128,7 +85,7 @@ def main(argv=None):
             if isinstance(m, Snake):
                 m.alpha.uniform_(0.2, 3.0)
     model = model.cuda().eval()
-    snake_pad, convs, cl = SnakePad(model, "triton"), HiftConvs(model), CudnnChannelsLast(model)
+    snake_pad, convs, cl = SnakePad(model, "triton"), TritonConvDecode(model), CudnnChannelsLastDecode(model)
     rows_out = []
     with torch.inference_mode():
         for shape, (rows, frames) in SHAPES.items():

@@ -23,8 +23,9 @@
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2 (two keys at once)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
-#        hiftconvs (optimizations.hift_triton_convs: its GPU test, and profile_hift beside the cuDNN path),
-#        hiftconvbench (the decode stack alone: cuDNN vs the Triton convs under several tiles)
+#        hiftconvs (optimizations.hift_convs: the GPU test of its channels-last decodes, and profile_hift
+#        beside the NCL path), hiftconvbench (the decode stack alone: cuDNN NCL and channels-last, the
+#        Triton convs under several tiles)
 #        c32base=DIR, c64seedbase=DIR (the seed profile with the package in DIR: a baseline commit)
 #        base (the seed profile at C32 on ad1324d, the engine the timeline replaced: the
 #        baseline to run in the same lease)
@@ -119,10 +120,10 @@ for step in "$@"; do
     flowtests) log "pytest -m gpu tests/test_codec_flow_gpu.py"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv |gelu|fused" "$OUT/flow_tests.txt" | tail -30 ;;
-    hiftconvs) log "HiFT's decode as Triton convs: the GPU test against float32 / cuDNN TF32, then profile_hift beside the cuDNN path"
+    hiftconvs) log "HiFT's decode on channels-last tensors (cuDNN, Triton convs): the GPU test against float32 / cuDNN TF32, then profile_hift beside the NCL path"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_hift.py -k triton_convs > "$OUT/hiftconvs_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hiftconvs_tests.txt"; grep -E "passed|failed|Error|SNR" "$OUT/hiftconvs_tests.txt" | cut -c1-300 | tail -12
-      timeout 200 python3 scripts/profile_hift.py --requests 6 --variants f0-gemm,triton-convs --json "$OUT/profile_hiftconvs.json" 2>&1 \
+      timeout 200 python3 scripts/profile_hift.py --requests 6 --variants f0-gemm,cudnn-cl,triton-convs --json "$OUT/profile_hiftconvs.json" 2>&1 \
         | tee "$OUT/profile_hiftconvs.txt" | grep -E "^\||outputs" ;;
     hiftconvbench) log "bench_hift_convs: HiFT's decode stack, cuDNN vs the Triton convs under several tiles"
       timeout 300 python3 scripts/bench_hift_convs.py --json "$OUT/bench_hift_convs.json" 2>&1 | tee "$OUT/bench_hift_convs.txt" | grep "^|" ;;

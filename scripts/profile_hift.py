@@ -31,10 +31,11 @@ from cosybatch.codec.hift_runner import HiftRunner  # noqa: E402
 
 # HiftRunner options per variant: eager Snake ops and cuDNN's float64 F0 convs; the fused
 # Triton Snake + pad kernel; both fused and the F0 predictor as float64 GEMMs (the default); the
-# decode's convs as Triton launches (optimizations.hift_triton_convs).
+# decode's convs on channels-last tensors, by cuDNN or as Triton launches (optimizations.hift_convs).
 VARIANTS = {"unfused": {"fused_snake": False, "f0_gemm": False}, "fused": {"fused_snake": True, "f0_gemm": False},
             "f0-gemm": {"fused_snake": True, "f0_gemm": True},
-            "triton-convs": {"fused_snake": True, "f0_gemm": True, "triton_convs": True}}
+            "cudnn-cl": {"f0_gemm": True, "convs": "cudnn_channels_last"},
+            "triton-convs": {"f0_gemm": True, "convs": "triton"}}
 
 
 def main(argv=None):

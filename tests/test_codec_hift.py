@@ -393,18 +393,51 @@ def test_fused_snake_on_cuda_equals_eager():
             assert all(torch.equal(a, b) for a, b in zip(on.run(jobs), off.run(jobs))), (graphs, step)
 
 
+def test_cudnn_channels_last_decode_is_the_models_on_cpu():
+    """``optimizations.hift_convs: cudnn_channels_last`` without a GPU (PyTorch's ops for its
+    Snake and bias kernels): the model's decode at the full geometry (narrow channels), alone
+    and through the runner's batched streaming and whole-response calls, float32 reordering
+    apart; an unknown name is refused."""
+    from cosybatch.codec.hift_convs import CudnnChannelsLastDecode, decoder
+
+    torch.manual_seed(3)
+    model = CausalHiFTGenerator(HiFTConfig(base_channels=32, f0_cond_channels=16))
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias.fill_(150.0)
+        for m in model.modules():
+            if isinstance(m, Snake):
+                m.alpha.uniform_(0.2, 3.0)
+    model = model.eval()
+    mel, s_stft = torch.randn(2, 80, 9), torch.randn(2, model.cfg.n_fft + 2, 9 * model.up_total + 1)
+    with torch.inference_mode():
+        want = model.decode_spec(mel, s_stft, finalize=True)
+        got = CudnnChannelsLastDecode(model).decode_spec(mel, s_stft)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max()
+    mels = [(random_mel(n, n, scale=1.0) - 5) for n in (40, 65)]
+    for convs in ("cudnn", "cudnn_channels_last"):
+        runner = HiftRunner(model, convs=convs)
+        outs = runner.run([HiftJob(i, m, True) for i, m in enumerate(mels)])
+        outs += [runner.run([HiftJob("s", mels[1][:, :, a:b], b == 65)])[0] for a, b in ((0, 30), (30, 65))]
+        if convs == "cudnn":
+            base = outs
+    assert all(o.shape == b.shape and (o - b).abs().max() <= 1e-5 for o, b in zip(outs, base))
+    with pytest.raises(ValueError, match="hift_convs"):
+        decoder(model, "cuda")
+
+
 def _snr_db(got, want):
     g, w = got.double().flatten(), want.double().flatten()
     return (10 * torch.log10(w.pow(2).sum() / (g - w).pow(2).sum().clamp_min(1e-300))).item()
 
 
 @pytest.mark.gpu
-def test_triton_convs_on_cuda_against_float32():
-    """HiFT's decode as Triton convs (``triton_convs=True``) at the full size, whole responses of
-    three lengths batched and one stream in chunks, against strict float32 cuDNN: in TF32 within
-    10 dB of cuDNN's own TF32 SNR (the H200: cuDNN 66.5 dB on wave 0; Triton with the operands
-    truncated by the MMA, as it does unless they are rounded first, 48.9), in float32 at least as
-    close as cuDNN's TF32 (116.6 measured); exact lengths; a graph replay equal to the eager call
+@pytest.mark.parametrize("convs", ["cudnn_channels_last", "triton"])
+def test_channels_last_decodes_on_cuda_against_float32(convs):
+    """HiFT's decode on channels-last tensors (``HiftRunner(convs=...)``) at the full size, whole
+    responses of three lengths batched and one stream in chunks, against strict float32 cuDNN on
+    NCL tensors: in TF32 within 10 dB of the NCL path's TF32 SNR (the H200: 66.5 dB on wave 0;
+    the first Triton version, whose operands the MMA truncated, 48.9), in float32 at least as
+    close as that (Triton 116.6 measured); exact lengths; a graph replay equal to the eager call
     bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
@@ -431,12 +464,12 @@ def test_triton_convs_on_cuda_against_float32():
 
     try:
         ref = waves(False)
-        cudnn_tf32 = waves(True, fused_snake=True)
-        triton_tf32 = waves(True, triton_convs=True)
-        triton_ieee = waves(False, triton_convs=True)
+        ncl_tf32 = waves(True, fused_snake=True)
+        got_tf32 = waves(True, convs=convs)
+        got_f32 = waves(False, convs=convs)
         torch.backends.cudnn.allow_tf32 = True
-        graphed = HiftRunner(model, f0_gemm=True, triton_convs=True, graphs=dict(capture_after=1))
-        eager = HiftRunner(model, f0_gemm=True, triton_convs=True, graphs=dict(enabled=False))
+        graphed = HiftRunner(model, f0_gemm=True, convs=convs, graphs=dict(capture_after=1))
+        eager = HiftRunner(model, f0_gemm=True, convs=convs, graphs=dict(enabled=False))
         for tag in ("capture", "replay"):
             jobs = [HiftJob((tag, i), m, True) for i, m in enumerate(mels)]
             assert all(torch.equal(a, b) for a, b in zip(graphed.run(jobs), eager.run(jobs))), tag
@@ -444,9 +477,9 @@ def test_triton_convs_on_cuda_against_float32():
     finally:
         torch.backends.cudnn.allow_tf32 = True
     for i, r in enumerate(ref):
-        snr = {name: _snr_db(w[i], r) for name, w in (("cudnn tf32", cudnn_tf32), ("triton tf32", triton_tf32),
-                                                      ("triton float32", triton_ieee))}
-        print(f"HiFT triton convs, wave {i}: SNR dB against float32 cuDNN", {k: round(v, 1) for k, v in snr.items()})
-        assert all(w[i].shape == r.shape for w in (cudnn_tf32, triton_tf32, triton_ieee))
-        assert snr["triton tf32"] >= snr["cudnn tf32"] - 10.0, snr
-        assert snr["triton float32"] >= snr["cudnn tf32"], snr
+        snr = {name: _snr_db(w[i], r) for name, w in (("ncl tf32", ncl_tf32), (f"{convs} tf32", got_tf32),
+                                                      (f"{convs} float32", got_f32))}
+        print(f"HiFT {convs}, wave {i}: SNR dB against float32 NCL cuDNN", {k: round(v, 1) for k, v in snr.items()})
+        assert all(w[i].shape == r.shape for w in (ncl_tf32, got_tf32, got_f32))
+        assert snr[f"{convs} tf32"] >= snr["ncl tf32"] - 10.0, snr
+        assert snr[f"{convs} float32"] >= snr["ncl tf32"], snr

@@ -163,7 +163,8 @@ def test_hift_conv_kernel_covers_every_conv_geometry():
 
 def test_hift_conv_kernel_epilogues_and_snake():
     """Snake of the output, + residual, other + it, / n, and the second output (Snake with other
-    alphas), each in the eager ops' order; the channels-last Snake kernel."""
+    alphas), each in the eager ops' order; the channels-last Snake (with causal padding and a
+    bias) and bias + residual kernels."""
     from cosybatch.codec import triton_conv as C
 
     g = torch.Generator().manual_seed(5)
@@ -175,6 +176,10 @@ def test_hift_conv_kernel_epilogues_and_snake():
     s1, s2 = (alpha, 1.0 / (alpha + 1e-9)), (alpha2, 1.0 / (alpha2 + 1e-9))
     other = torch.randn_like(x)
     assert (_cl(C.snake(xc, *s1)) - _snake_ref(x, *s1)).abs().max() <= 1e-6
+    bias = torch.randn(32, generator=g)
+    want = F.pad(_snake_ref(x + bias[None, :, None], *s1), (4, 0))
+    assert (_cl(C.snake(xc, *s1, pad=4, bias=bias)) - want).abs().max() <= 1e-6
+    assert (_cl(C.bias_residual(_cl(other), bias, xc)) - ((other + bias[None, :, None]) + x)).abs().max() <= 1e-6
     got = C.conv1d(xc, wt, b, t_out=70, shift=2, snake=s1)
     assert (_cl(got) - _snake_ref(conv, *s1)).abs().max() <= 1e-4
     y, y2 = C.conv1d(xc, wt, b, t_out=70, shift=2, residual=xc, snake_out=s2)
@@ -208,10 +213,10 @@ def test_hift_conv_kernel_rounds_tf32_operands_to_nearest():
 
 
 def test_hift_triton_decode_is_the_modules_decode():
-    """``HiftConvs.decode_spec`` against ``CausalHiFTGenerator.decode_spec(finalize=True)`` on a
+    """``TritonConvDecode.decode_spec`` against ``CausalHiFTGenerator.decode_spec(finalize=True)`` on a
     narrow HiFT of the full geometry (its rates, kernels, dilations) with trained-like Snake
     alphas, two rows, float32 products: the same stack, summed in another order."""
-    from cosybatch.codec.hift_convs import HiftConvs
+    from cosybatch.codec.hift_convs import TritonConvDecode
     from cosybatch.models.config import HiFTConfig
     from cosybatch.models.hift import CausalHiFTGenerator, Snake
 
@@ -229,7 +234,7 @@ def test_hift_triton_decode_is_the_modules_decode():
     try:
         with torch.inference_mode():
             want = hift.decode_spec(mel, s_stft, finalize=True)
-            got = HiftConvs(hift).decode_spec(mel, s_stft)
+            got = TritonConvDecode(hift).decode_spec(mel, s_stft)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
     assert got.shape == want.shape

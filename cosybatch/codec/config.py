@@ -33,9 +33,9 @@ class CodecConfig:
     # The codec's Triton kernels (CUDA): HiFT's resblock Snake + pad + conv biases + residual,
     # the flow's rotary and position convs (profile key optimizations.triton_kernels)
     triton_kernels: bool
-    # HiFT's decode convs as Triton launches with the activations and adds folded in
-    # (codec/hift_convs.py; profile key optimizations.hift_triton_convs)
-    hift_triton_convs: bool
+    # how HiFT's decode convs run: cudnn | cudnn_channels_last | triton (codec/hift_convs.py;
+    # profile key optimizations.hift_convs)
+    hift_convs: str
 
     def hift_graph_options(self) -> dict | None:
         """``HiftRunner(graphs=...)``: None for eager decode."""

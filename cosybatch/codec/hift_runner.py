@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.gpu.graph_cache import GraphCache
-from cosybatch.codec.hift_convs import HiftConvs
+from cosybatch.codec.hift_convs import decoder
 from cosybatch.codec.istft import CachedISTFT
 from cosybatch.codec.f0_gemm import F0Gemm
 from cosybatch.codec.snake import SnakePad
@@ -139,15 +139,15 @@ class HiftRunner:
     keeps the whole history (the official recompute, for comparison and for configs where
     the phase shortcut does not apply). ``f0_gemm``: the float64 F0 predictor as GEMMs
     (``codec.f0_gemm.F0Gemm``; None: on CUDA, where cuDNN's float64 convs are slow).
-    ``triton_convs``: the decode's convs as Triton launches with their activations and adds
-    folded in (``codec.hift_convs``; CUDA), instead of cuDNN and ``fused_snake``'s kernels.
+    ``convs``: how the decode's convs run (``codec.hift_convs.DECODERS``): ``cudnn``, the
+    model's NCL path (with ``fused_snake``'s kernels); ``cudnn_channels_last``; ``triton``.
     """
 
     def __init__(self, hift: CausalHiFTGenerator, *, graphs: bool | dict = False,
                  max_batch: int = 64, max_batch_frames: int = 8192,
                  frame_bucket: int | None = None, bounded: bool = True,
                  context_frames: int | None = None, fused_snake: bool = False,
-                 f0_gemm: bool | None = None, triton_convs: bool = False) -> None:
+                 f0_gemm: bool | None = None, convs: str = "cudnn") -> None:
         self.hift = hift
         self.cfg = hift.cfg
         self.spf = hift.samples_per_frame
@@ -171,7 +171,7 @@ class HiftRunner:
         # The resblocks' Snake + causal pad + conv biases + residual as Triton kernels
         # (cosybatch.codec.snake); None: the eager ops
         self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
-        self.convs = HiftConvs(hift) if triton_convs else None
+        self.convs = decoder(hift, convs)
         if f0_gemm is None:
             f0_gemm = self.device.type == "cuda"
         self._f0 = F0Gemm(hift.f0_predictor) if f0_gemm else functools.partial(hift.f0_predictor, finalize=True)

@@ -1,5 +1,6 @@
-"""One Triton kernel for every convolution of HiFT's decode stack, channels-last (imported only
-where Triton runs: CUDA, or the CPU interpreter in tests).
+"""One Triton kernel for every convolution of HiFT's decode stack, and the element-wise kernels
+that channels-last decodes need (Snake with causal padding, bias + residual); imported only
+where Triton runs (CUDA, or the CPU interpreter in tests).
 
 cuDNN runs HiFT's float32 convs on NCL tensors: a 6-request streaming call on the H200 was 721
 launches and 10.65 ms of kernels, 2.2 ms of them layout transposes around the convs and 1.9 ms
@@ -114,27 +115,57 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
         tl.store(y2_ptr + off, _snake(y, alpha2_ptr, inv2_ptr, co, cmask), mask=omask)
 
 
-@triton.jit
-def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, y_ptr, n, C, BLOCK: tl.constexpr):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["n", "T", "pad"])
+def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, n, C, T, pad, BLOCK: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # over y [B, pad + T, C]
     m = idx < n
     c = idx % C
-    x = tl.load(x_ptr + idx, mask=m, other=0.0)
+    row = idx // C
+    src = row % (pad + T) - pad
+    inside = m & (src >= 0)
+    x = tl.load(x_ptr + (row // (pad + T) * T + src) * C + c, mask=inside, other=0.0)
+    if HAS_BIAS:  # the bias of the conv that produced x, added as its own eager add would
+        x = x + tl.load(bias_ptr + c, mask=m, other=0.0)
     a = tl.load(alpha_ptr + c, mask=m, other=1.0)
     inv = tl.load(inv_ptr + c, mask=m, other=0.0)
     s = _sin(x * a)
-    tl.store(y_ptr + idx, x + inv * (s * s), mask=m)
+    tl.store(y_ptr + idx, tl.where(inside, x + inv * (s * s), 0.0), mask=m)
 
 
-def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Snake of channels-last x [B, T, C] float32 (alpha, inv [C])."""
-    y = torch.empty_like(x)
-    if x.numel():
-        block = 1024
+@triton.jit
+def _bias_residual_kernel(y_ptr, bias_ptr, x_ptr, out_ptr, n, C, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    y = tl.load(y_ptr + idx, mask=m, other=0.0) + tl.load(bias_ptr + idx % C, mask=m, other=0.0)
+    tl.store(out_ptr + idx, y + tl.load(x_ptr + idx, mask=m, other=0.0), mask=m)
+
+
+BLOCK = 1024
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int = 0,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Channels-last x [B, T, C] float32 -> [B, pad + T, C]: ``pad`` zero rows, then
+    s + inv * sin(alpha * s)^2 with s = x (+ bias [C], when given)."""
+    B, T, C = x.shape
+    y = torch.empty(B, pad + T, C, device=x.device, dtype=x.dtype)
+    if y.numel():
         # no multiply-add contraction: the eager ops round after each multiply
-        _snake_kernel[(triton.cdiv(x.numel(), block),)](x, alpha, inv, y, x.numel(), x.shape[-1], BLOCK=block,
+        _snake_kernel[(triton.cdiv(y.numel(), BLOCK),)](x, alpha, inv, alpha if bias is None else bias, y, y.numel(),
+                                                         C, T, pad, BLOCK=BLOCK, HAS_BIAS=bias is not None,
                                                          num_warps=4, enable_fp_fusion=False)
     return y
+
+
+def bias_residual(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(y + bias) + x for channels-last y, x [B, T, C] float32: a conv's deferred bias and the
+    residual add after it, one pass."""
+    out = torch.empty_like(y)
+    if out.numel():
+        _bias_residual_kernel[(triton.cdiv(out.numel(), BLOCK),)](y, bias, x, out, out.numel(), y.shape[-1],
+                                                                   BLOCK=BLOCK, num_warps=4)
+    return out
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -158,13 +158,15 @@ class Optimizations:
     # and residual adds, the flow's head-0 rotary and position convs (each checked against its
     # eager ops on the GPU; no effect on CPUs or without Triton)
     triton_kernels: bool = True
-    # HiFT's decode on CUDA as ~96 Triton launches, each a conv with the Snake / LeakyReLU,
-    # bias, residual and resblock sums folded in, in place of cuDNN (~720 launches per call and
-    # a per-shape plan: ~100 ms of host time at a shape's first call). TF32 products when
-    # codec.hift_tf32 is on, float32 otherwise; not bit-equal to cuDNN (another summation order).
-    # Off: its first version ran 2.5x slower than cuDNN on the H200; the current one is not yet
-    # measured (docs/design.md D31)
-    hift_triton_convs: bool = False
+    # How HiFT's decode convs run on CUDA (docs/design.md D31). cudnn: cuDNN on NCL tensors, with
+    # layout transposes around each conv (~720 launches per streaming call, a per-shape plan of
+    # ~100 ms host time at a shape's first call). cudnn_channels_last: cuDNN's NHWC kernels on
+    # channels-last activations, no transposes. triton: ~96 launches of one Triton conv kernel
+    # with the Snake / LeakyReLU, bias, residual and resblock sums folded in, no per-shape plans.
+    # Both alternatives sum in another order than cuDNN's NCL kernels (not bit-equal; TF32 when
+    # codec.hift_tf32 is on). cudnn until the others are measured (the first Triton version ran
+    # 2.5x slower); on CPUs always cudnn.
+    hift_convs: Literal["cudnn", "cudnn_channels_last", "triton"] = "cudnn"
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
     # Capture at start-up, before the first row, every flow bucket of solves of at most this many

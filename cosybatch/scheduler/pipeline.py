@@ -113,7 +113,7 @@ class FastPipeline:
         with startup.phase("codec"):
             hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
                               max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
-                              fused_snake=codec_cfg.triton_kernels, triton_convs=codec_cfg.hift_triton_convs)
+                              fused_snake=codec_cfg.triton_kernels, convs=codec_cfg.hift_convs)
             if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
                 n = hift.precapture(codec_cfg.hift_graph_precapture)
                 log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
