@@ -71,17 +71,21 @@ class TritonConvDecode:
 
     def _resblock(self, rb: ResBlock, x: torch.Tensor, add: torch.Tensor | None = None,
                   div: float | None = None) -> torch.Tensor:
-        """``add + rb(x)`` (or ``rb(x)``), then ``/ div`` when given."""
+        """``add + rb(x)`` (or ``rb(x)``), then ``/ div`` when given. The Snake outputs feed only
+        the convs after them, so in TF32 they are stored rounded, and those convs read their
+        tiles as loaded."""
         steps = list(zip(rb.convs1, rb.convs2, rb.activations1, rb.activations2))
         n = x.shape[1]
-        a = self._tc.snake(x, *self._alphas[steps[0][2]])
+        tf32 = torch.backends.cudnn.allow_tf32
+        a = self._tc.snake(x, *self._alphas[steps[0][2]], tf32=tf32)
         for i, (c1, c2, _, s2) in enumerate(steps):
-            y = self._conv(c1, a, n, shift=c1.causal_padding, dilation=c1.dilation[0], snake=self._alphas[s2])
+            y = self._conv(c1, a, n, shift=c1.causal_padding, dilation=c1.dilation[0], snake=self._alphas[s2],
+                           x_tf32=True, round_out=True)
             if i + 1 < len(steps):
-                x, a = self._conv(c2, y, n, shift=c2.causal_padding, residual=x,
+                x, a = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, x_tf32=True,
                                   snake_out=self._alphas[steps[i + 1][2]])
             else:
-                x = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, add=add, div=div)
+                x = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, add=add, div=div, x_tf32=True)
         return x
 
     def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:

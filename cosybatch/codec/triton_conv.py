@@ -67,6 +67,7 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
                    C_in, C_out, T_in, T_out, shift, K, DIL, STRIDE, UP, slope, div,
                    X_CL: tl.constexpr, Y_CL: tl.constexpr, LEAKY: tl.constexpr, SNAKE: tl.constexpr,
                    RES: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr, OUT2: tl.constexpr, TF32: tl.constexpr,
+                   ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,8 +92,10 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
             xt = tl.where(xt > 0, xt, xt * slope)
         wt = tl.load(w_ptr + (k * C_out + co[None, :]).to(tl.int64) * C_in + ci[:, None],
                      mask=(ci < C_in)[:, None] & cmask[None, :], other=0.0)
-        if TF32:  # w was rounded once, by conv_weight
-            acc = tl.dot(_tf32(xt), wt, acc, input_precision="tf32")
+        if ROUND_X:  # else x holds TF32 values already (its producer rounded them), and the MMA
+            xt = _tf32(xt)  # reads the tile from shared memory as loaded; w: rounded by conv_weight
+        if TF32:
+            acc = tl.dot(xt, wt, acc, input_precision="tf32")
         else:
             acc = tl.dot(xt, wt, acc, input_precision="ieee")
     # the eager ops' order: conv + bias, then Snake, or + residual, then other + it, then / div
@@ -110,14 +113,20 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
         y = tl.load(add_ptr + off, mask=omask, other=0.0) + y
     if DIV:
         y = y / div
-    tl.store(y_ptr + off, y, mask=omask)
+    if ROUND_Y:  # an output only convs read, stored as the TF32 values they would round it to
+        tl.store(y_ptr + off, _tf32(y), mask=omask)
+    else:
+        tl.store(y_ptr + off, y, mask=omask)
     if OUT2:
-        tl.store(y2_ptr + off, _snake(y, alpha2_ptr, inv2_ptr, co, cmask), mask=omask)
+        y2 = _snake(y, alpha2_ptr, inv2_ptr, co, cmask)
+        if TF32:  # the next step's conv1 is its only reader
+            y2 = _tf32(y2)
+        tl.store(y2_ptr + off, y2, mask=omask)
 
 
 @triton.jit(do_not_specialize=["n", "T", "pad"])
 def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, n, C, T, pad, BLOCK: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, TF32: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # over y [B, pad + T, C]
     m = idx < n
     c = idx % C
@@ -130,7 +139,10 @@ def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, n, C, T, pad, BLOC
     a = tl.load(alpha_ptr + c, mask=m, other=1.0)
     inv = tl.load(inv_ptr + c, mask=m, other=0.0)
     s = _sin(x * a)
-    tl.store(y_ptr + idx, tl.where(inside, x + inv * (s * s), 0.0), mask=m)
+    y = tl.where(inside, x + inv * (s * s), 0.0)
+    if TF32:
+        y = _tf32(y)
+    tl.store(y_ptr + idx, y, mask=m)
 
 
 @triton.jit
@@ -145,16 +157,17 @@ BLOCK = 1024
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int = 0,
-          bias: torch.Tensor | None = None) -> torch.Tensor:
+          bias: torch.Tensor | None = None, tf32: bool = False) -> torch.Tensor:
     """Channels-last x [B, T, C] float32 -> [B, pad + T, C]: ``pad`` zero rows, then
-    s + inv * sin(alpha * s)^2 with s = x (+ bias [C], when given)."""
+    s + inv * sin(alpha * s)^2 with s = x (+ bias [C], when given); rounded to TF32 with
+    ``tf32`` (for a conv that reads it in TF32 and nothing else)."""
     B, T, C = x.shape
     y = torch.empty(B, pad + T, C, device=x.device, dtype=x.dtype)
     if y.numel():
         # no multiply-add contraction: the eager ops round after each multiply
         _snake_kernel[(triton.cdiv(y.numel(), BLOCK),)](x, alpha, inv, alpha if bias is None else bias, y, y.numel(),
                                                          C, T, pad, BLOCK=BLOCK, HAS_BIAS=bias is not None,
-                                                         num_warps=4, enable_fp_fusion=False)
+                                                         TF32=tf32, num_warps=4, enable_fp_fusion=False)
     return y
 
 
@@ -190,13 +203,17 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
            stride: int = 1, up: int = 1, leaky: float | None = None, x_cl: bool = True, y_cl: bool = True,
            snake: tuple[torch.Tensor, torch.Tensor] | None = None, residual: torch.Tensor | None = None,
            add: torch.Tensor | None = None, div: float | None = None,
-           snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, tf32: bool = False):
+           snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, tf32: bool = False,
+           x_tf32: bool = False, round_out: bool = False):
     """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
     for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
     time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
     ``conv_weight`` (with its ``tf32`` as here). Then Snake(y) with ``snake`` = (alpha, inv),
-    + ``residual``, ``add`` + y, y / ``div``, in that order. Returns y [B, t_out, out] (``y_cl``) or [B, out, t_out], and
-    (y, Snake(y) with ``snake_out``'s alphas) when ``snake_out`` is given."""
+    + ``residual``, ``add`` + y, y / ``div``, in that order. Returns y [B, t_out, out]
+    (``y_cl``) or [B, out, t_out], and (y, Snake(y) with ``snake_out``'s alphas) when
+    ``snake_out`` is given. With ``tf32`` the input is rounded to TF32 as it is loaded unless
+    ``x_tf32`` says it holds TF32 values already; ``round_out`` stores y rounded (an output only
+    TF32 convs read), and the second output always is."""
     B = x.shape[0]
     c_in, t_in = (x.shape[2], x.shape[1]) if x_cl else (x.shape[1], x.shape[2])
     k, c_out, c_in_w = w.shape
@@ -218,6 +235,7 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
                              0.0 if leaky is None else float(leaky), float(div or 1.0),
                              X_CL=x_cl, Y_CL=y_cl, LEAKY=leaky is not None, SNAKE=snake is not None,
                              RES=residual is not None, ADD=add is not None, DIV=div is not None,
-                             OUT2=snake_out is not None, TF32=tf32, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco,
+                             OUT2=snake_out is not None, TF32=tf32, ROUND_X=tf32 and not x_tf32,
+                             ROUND_Y=tf32 and round_out, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco,
                              num_warps=warps, num_stages=stages)
     return (y, y2) if snake_out is not None else y
