@@ -31,17 +31,19 @@ from cosybatch.codec.snake import SnakePad  # noqa: E402
 from cosybatch.models.config import HiFTConfig  # noqa: E402
 from cosybatch.models.hift import CausalHiFTGenerator, Snake  # noqa: E402
 
-# (BLOCK_T, BLOCK_CI, largest BLOCK_CO, warps, stages); BLOCK_T falls to 64 under 2,048 frames
-TILES = {"t128-ci32-co64-w4": (128, 32, 64, 4, 3), "t64-ci32-co64-w4": (64, 32, 64, 4, 3),
-         "t128-ci32-co128-w8": (128, 32, 128, 8, 3), "t128-ci64-co64-w4": (128, 64, 64, 4, 2),
-         "t256-ci32-co64-w8": (256, 32, 64, 8, 3)}
+# (BLOCK_T, BLOCK_CI, largest BLOCK_CO, warps, stages); under 2,048 frames BLOCK_T is 64 on 4
+# warps. Each keeps to 32 accumulators a thread: ptxas spills with 64 (triton_conv.conv_blocks).
+TILES = {"t128-ci32-co64-w8": (128, 32, 64, 8, 3), "t64-ci32-co64-w4": (64, 32, 64, 4, 3),
+         "t128-ci64-co64-w8": (128, 64, 64, 8, 3), "t64-ci64-co64-w4": (64, 64, 64, 4, 3),
+         "t128-ci32-co64-w8-s4": (128, 32, 64, 8, 4)}
 SHAPES = {"streaming": (8, 130), "whole": (16, 300)}  # (rows, mel frames)
 
 
 def tiles(bt, bci, bco_max, warps, stages):
     def blocks(t_out, c_out):
-        return (bt if t_out >= 2048 else 64), bci, max(16, min(bco_max, triton_conv.triton.next_power_of_2(c_out))), \
-            warps, stages
+        long = t_out >= 2048
+        return (bt if long else 64), bci, max(16, min(bco_max, triton_conv.triton.next_power_of_2(c_out))), \
+            (warps if long else 4), stages
     return blocks
 
 
