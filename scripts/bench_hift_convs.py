@@ -1,11 +1,11 @@
 """HiFT's decode stack (conv_pre to conv_post) as cuDNN runs it (NCL, the default; and, as a
 candidate, on channels-last tensors, which cuDNN's NHWC kernels read without the transposes it
-puts around the NCL ones) and as the Triton convs run it (``optimizations.hift_convs``)
-under several tile choices, at a streaming call's shape
-and a whole-response batch's: GPU ms per call from a replayed CUDA graph, GPU ms per audio
-second, CUDA kernels per call (the profiler's count: cuDNN's own transposes included), the
-kernels that take the most time, and the SNR of the final spectrum against strict float32 cuDNN.
-Full-size random weights, Snake alphas spread as trained ones are.
+puts around the NCL ones) and as the Triton convs run it (``optimizations.hift_convs``) under
+several tile choices, at a streaming call's shape and a whole-response batch's: GPU ms per call
+from a replayed CUDA graph, GPU ms per audio second, CUDA kernels per call (the profiler's
+count: cuDNN's own transposes included), the kernels that take the most time, and the SNR of
+the final spectrum against strict float32 cuDNN. Full-size random weights, Snake alphas spread
+as trained ones are.
 
     python scripts/bench_hift_convs.py --json out.json
 """
