@@ -22,8 +22,9 @@ shifted rows (zeros outside: the causal padding). It covers
 
 Snake is x + inv * sin(alpha * x)^2 with ``inv = 1 / (alpha + 1e-9)`` precomputed by PyTorch,
 as the eager module evaluates it. Products in TF32 round both operands to nearest first (the
-MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32),
-the weights once (``conv_weight``) and the input as it is loaded; or they run in float32.
+MMA instruction would truncate them: measured 17.6 dB further from float32 than cuDNN's TF32):
+the weights once (``conv_weight``), the input as it is loaded or, where only convs read it, by
+its producer as it is stored; or they run in float32.
 cuDNN sums in another order, so outputs are not bit-equal to its.
 """
 
@@ -72,8 +73,8 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
                    RES: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr, OUT2: tl.constexpr, TF32: tl.constexpr,
                    ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr):
-    # A row's own offsets are 32-bit (the wrapper checks they fit), its base 64-bit: 64-bit
-    # pointer tiles, one per pipeline stage, spilled registers (ptxas, sm_90, 128-frame tiles).
+    # A row's own offsets are 32-bit (the wrapper checks they fit), only its base 64-bit: tiles of
+    # 64-bit offsets, one per pipeline stage, took twice the registers (ptxas, sm_90).
     b = tl.program_id(2).to(tl.int64)
     x_row = x_ptr + b * C_in * T_in
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -167,6 +168,8 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int = 0,
     """Channels-last x [B, T, C] float32 -> [B, pad + T, C]: ``pad`` zero rows, then
     s + inv * sin(alpha * s)^2 with s = x (+ bias [C], when given); rounded to TF32 with
     ``tf32`` (for a conv that reads it in TF32 and nothing else)."""
+    if not x.is_contiguous():
+        raise ValueError("snake: x must be contiguous [B, T, C]")
     B, T, C = x.shape
     y = torch.empty(B, pad + T, C, device=x.device, dtype=x.dtype)
     if y.numel():
@@ -180,6 +183,8 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int = 0,
 def bias_residual(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(y + bias) + x for channels-last y, x [B, T, C] float32: a conv's deferred bias and the
     residual add after it, one pass."""
+    if not (y.is_contiguous() and x.is_contiguous()):
+        raise ValueError("bias_residual: y and x must be contiguous [B, T, C]")
     out = torch.empty_like(y)
     if out.numel():
         _bias_residual_kernel[(triton.cdiv(out.numel(), BLOCK),)](y, bias, x, out, out.numel(), y.shape[-1],
