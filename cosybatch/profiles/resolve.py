@@ -97,7 +97,8 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         hift_graph_precapture=o.hift_graph_precapture if cuda else (),
         hift_frame_bucket=o.hift_frame_bucket if cuda else None,  # padding only costs on a CPU
         triton_kernels=o.triton_kernels and cuda and triton_available(),
-        hift_convs=o.hift_convs if cuda and (o.hift_convs != "triton" or triton_available()) else "cudnn")
+        # both alternatives launch Triton kernels (the channels-last one its Snake and bias kernels)
+        hift_convs=o.hift_convs if cuda and triton_available() else "cudnn")
     # On CUDA the frontend workers give the parallelism; intra-op threads on top of them would
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
