@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cosybatch.codec.hift_convs import DECODERS  # noqa: E402
 from cosybatch.codec.hift_runner import HiftJob, HiftRunner  # noqa: E402
 from cosybatch.models.config import HiFTConfig  # noqa: E402
 from cosybatch.models.hift import CausalHiFTGenerator  # noqa: E402
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument("--batched-only", action="store_true", help="skip the one-request-per-call rows")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--no-triton", action="store_true", help="eager Snake ops (the pipeline uses the fused kernel on CUDA)")
-    ap.add_argument("--hift-convs", default="cudnn", choices=["cudnn", "cudnn_channels_last", "triton"],
+    ap.add_argument("--hift-convs", default="cudnn", choices=list(DECODERS),
                     help="how the decode's convs run (optimizations.hift_convs)")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -29,9 +29,6 @@ import torch.nn.functional as F
 
 from cosybatch.models.hift import CausalHiFTGenerator, ResBlock, Snake
 
-DECODERS = ("cudnn", "cudnn_channels_last", "triton")  # optimizations.hift_convs; cudnn: the model's NCL path
-
-
 def _convs(hift: CausalHiFTGenerator) -> list:
     convs = [hift.conv_pre, hift.conv_post, *hift.ups, *hift.source_downs]
     for rb in (*hift.source_resblocks, *hift.resblocks):
@@ -178,9 +175,13 @@ class CudnnChannelsLastDecode:
         return self._conv(h.conv_post, F.pad(x, (0, 0, h.conv_post.causal_padding, 0))).transpose(1, 2).contiguous()
 
 
+# optimizations.hift_convs -> the decode's class; cudnn: None, the model's own NCL path
+DECODERS = {"cudnn": None, "cudnn_channels_last": CudnnChannelsLastDecode, "triton": TritonConvDecode}
+
+
 def decoder(hift: CausalHiFTGenerator, name: str):
     """The decode named by ``optimizations.hift_convs``; None for ``cudnn`` (the model's own)."""
     if name not in DECODERS:
         raise ValueError(f"hift_convs must be one of {', '.join(DECODERS)}, got {name!r}")
-    return {"cudnn": lambda h: None, "cudnn_channels_last": CudnnChannelsLastDecode,
-            "triton": TritonConvDecode}[name](hift)
+    cls = DECODERS[name]
+    return None if cls is None else cls(hift)
