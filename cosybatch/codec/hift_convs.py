@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cosybatch.codec.snake import snake_scales
 from cosybatch.models.hift import CausalHiFTGenerator, ResBlock, Snake
 
 def _convs(hift: CausalHiFTGenerator) -> list:
@@ -34,11 +35,6 @@ def _convs(hift: CausalHiFTGenerator) -> list:
     for rb in (*hift.source_resblocks, *hift.resblocks):
         convs += [*rb.convs1, *rb.convs2]
     return convs
-
-
-def _alphas(hift: CausalHiFTGenerator) -> dict:
-    """Each Snake's (alpha, 1 / (alpha + 1e-9)), the scale by the eager module's own expression."""
-    return {m: (m.alpha.detach(), 1.0 / (m.alpha.detach() + 1e-9)) for m in hift.modules() if isinstance(m, Snake)}
 
 
 def _check_source(hift: CausalHiFTGenerator, i: int, s_frames: int, frames: int) -> None:
@@ -60,7 +56,7 @@ class TritonConvDecode:
         # float32 and TF32-rounded weights: the TF32 switch is read at each call
         self._w = {c: {tf32: triton_conv.conv_weight(c.weight, tf32) for tf32 in (False, True)} for c in convs}
         self._b = {c: c.bias.detach() for c in convs}
-        self._alphas = _alphas(hift)
+        self._scales = snake_scales(hift)
 
     def _conv(self, conv, x: torch.Tensor, t_out: int, **kw):
         tf32 = torch.backends.cudnn.allow_tf32
@@ -74,13 +70,13 @@ class TritonConvDecode:
         steps = list(zip(rb.convs1, rb.convs2, rb.activations1, rb.activations2))
         n = x.shape[1]
         tf32 = torch.backends.cudnn.allow_tf32
-        a = self._tc.snake(x, *self._alphas[steps[0][2]], tf32=tf32)
+        a = self._tc.snake(x, *self._scales[steps[0][2]], tf32=tf32)
         for i, (c1, c2, _, s2) in enumerate(steps):
-            y = self._conv(c1, a, n, shift=c1.causal_padding, dilation=c1.dilation[0], snake=self._alphas[s2],
+            y = self._conv(c1, a, n, shift=c1.causal_padding, dilation=c1.dilation[0], snake=self._scales[s2],
                            x_tf32=True, round_out=True)
             if i + 1 < len(steps):
                 x, a = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, x_tf32=True,
-                                  snake_out=self._alphas[steps[i + 1][2]])
+                                  snake_out=self._scales[steps[i + 1][2]])
             else:
                 x = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, add=add, div=div, x_tf32=True)
         return x
@@ -117,7 +113,7 @@ class CudnnChannelsLastDecode:
         self.hift = hift
         # [out, in, 1, K] channels-last: what cuDNN's NHWC kernels read
         self._w = {c: c.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last) for c in _convs(hift)}
-        self._alphas = _alphas(hift)
+        self._scales = snake_scales(hift)
         self._tc = None
         if next(hift.parameters()).is_cuda:
             from cosybatch.codec import triton_conv
@@ -134,10 +130,10 @@ class CudnnChannelsLastDecode:
     def _snake(self, x: torch.Tensor, s: Snake, pad: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Snake(x + bias) after ``pad`` zero rows."""
         if self._tc is not None:
-            return self._tc.snake(x.contiguous(), *self._alphas[s], pad=pad, bias=None if bias is None else bias.detach())
+            return self._tc.snake(x.contiguous(), *self._scales[s], pad=pad, bias=None if bias is None else bias.detach())
         if bias is not None:
             x = x + bias.detach()
-        alpha, inv = self._alphas[s]
+        alpha, inv = self._scales[s]
         return F.pad(x + inv * torch.sin(x * alpha).pow(2), (0, 0, pad, 0))
 
     def _bias_residual(self, y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

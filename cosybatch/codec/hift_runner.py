@@ -168,10 +168,10 @@ class HiftRunner:
             opts = dict(graphs) if isinstance(graphs, dict) else {}
             opts.setdefault("name", "hift")
             self.graphs = GraphCache(self.vocode, **opts)
-        # The resblocks' Snake + causal pad + conv biases + residual as Triton kernels
-        # (cosybatch.codec.snake); None: the eager ops
-        self.snake_pad = SnakePad(hift, "triton") if fused_snake else None
         self.convs = decoder(hift, convs)
+        # The NCL path's resblock Snake + causal pad + conv biases + residual as Triton kernels
+        # (cosybatch.codec.snake); None: the eager ops, or a channels-last decode (its own kernels)
+        self.snake_pad = SnakePad(hift, "triton") if fused_snake and self.convs is None else None
         if f0_gemm is None:
             f0_gemm = self.device.type == "cuda"
         self._f0 = F0Gemm(hift.f0_predictor) if f0_gemm else functools.partial(hift.f0_predictor, finalize=True)

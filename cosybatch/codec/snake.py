@@ -24,12 +24,18 @@ from cosybatch.models.causal_conv import CausalConv1d
 from cosybatch.models.hift import Snake
 
 
+def snake_scales(hift: torch.nn.Module) -> dict:
+    """Each Snake of ``hift`` -> (alpha, 1 / (alpha + 1e-9)): the scale computed once, by the
+    eager module's own PyTorch expression, for the fused kernels (later changes to the alphas
+    are not seen)."""
+    return {m: (m.alpha.detach(), 1.0 / (m.alpha.detach() + 1e-9)) for m in hift.modules() if isinstance(m, Snake)}
+
+
 class SnakePad:
     """The fused resblock hook of ``CausalHiFTGenerator.decode_spec`` (``ResBlock.forward``).
 
     ``backend``: ``"triton"`` (CUDA float32) or ``"torch"`` (the model's own ops, for CPUs and
-    tests). The per-channel ``1 / (alpha + 1e-9)`` is computed once here, by the same PyTorch
-    expression as the eager Snake, so later changes to the alphas are not seen.
+    tests). The per-channel scales come from ``snake_scales``.
     """
 
     def __init__(self, hift: torch.nn.Module, backend: str = "triton"):
@@ -40,14 +46,14 @@ class SnakePad:
             from cosybatch.codec import triton_kernels
 
             self._k = triton_kernels
-        self._inv = {m: (1.0 / (m.alpha.detach() + 1e-9)) for m in hift.modules() if isinstance(m, Snake)}
+        self._scales = snake_scales(hift)
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self._k is not None and x.is_cuda and x.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor, snake: Snake, pad: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.pad(snake(x + bias), (pad, 0))`` (bias [C] optional)."""
-        alpha, inv = snake.alpha.detach(), self._inv[snake]
+        alpha, inv = self._scales[snake]
         if self._fused(x):
             return self._k.snake_pad(x, alpha, inv, pad, None if bias is None else bias.detach())
         if bias is not None:
