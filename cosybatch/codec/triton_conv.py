@@ -30,20 +30,11 @@ cuDNN sums in another order, so outputs are not bit-equal to its.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter has no libdevice
-    @triton.jit
-    def _sin(x):
-        return tl.sin(x)
-else:  # the CUDA math library's sinf, as PyTorch's own kernels use
-    from triton.language.extra import libdevice
-
-    _sin = libdevice.sin
+from cosybatch.codec.triton_kernels import snake_of
 
 
 @triton.jit
@@ -57,8 +48,7 @@ def _tf32(x):
 def _snake(y, alpha_ptr, inv_ptr, co, cmask):
     a = tl.load(alpha_ptr + co, mask=cmask, other=1.0)[None, :]
     inv = tl.load(inv_ptr + co, mask=cmask, other=0.0)[None, :]
-    s = _sin(y * a)
-    return y + inv * (s * s)
+    return snake_of(y, a, inv)
 
 
 # The geometry is runtime arguments: one compiled kernel per combination of the fused steps (~8
@@ -145,8 +135,7 @@ def _snake_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, n, C, T, pad, BLOC
         x = x + tl.load(bias_ptr + c, mask=m, other=0.0)
     a = tl.load(alpha_ptr + c, mask=m, other=1.0)
     inv = tl.load(inv_ptr + c, mask=m, other=0.0)
-    s = _sin(x * a)
-    y = tl.where(inside, x + inv * (s * s), 0.0)
+    y = tl.where(inside, snake_of(x, a, inv), 0.0)
     if TF32:
         y = _tf32(y)
     tl.store(y_ptr + idx, y, mask=m)

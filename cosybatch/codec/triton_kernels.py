@@ -38,6 +38,13 @@ else:  # the CUDA math library's functions, as PyTorch's own kernels use
 BLOCK = 1024
 
 
+@triton.jit
+def snake_of(x, a, inv):
+    """Snake, x + inv * sin(x * a)^2, in the eager module's order (inv = 1 / (a + 1e-9))."""
+    s = _sin(x * a)
+    return x + inv * (s * s)
+
+
 @triton.jit(do_not_specialize=["T", "T_out", "pad"])  # one compiled kernel for every length
 def _snake_pad_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, C, T, T_out, pad, BLOCK: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
@@ -51,8 +58,7 @@ def _snake_pad_kernel(x_ptr, alpha_ptr, inv_ptr, bias_ptr, y_ptr, C, T, T_out, p
     x = tl.load(x_ptr + row.to(tl.int64) * T + src, mask=inside, other=0.0)
     if HAS_BIAS:  # the bias of the conv that produced x, added as its own eager add would
         x = x + tl.load(bias_ptr + c)
-    s = _sin(x * a)
-    y = tl.where(inside, x + inv * (s * s), 0.0)
+    y = tl.where(inside, snake_of(x, a, inv), 0.0)
     tl.store(y_ptr + row.to(tl.int64) * T_out + cols, y, mask=cols < T_out)
 
 
