@@ -11,7 +11,7 @@ from cosybatch.models.config import HiFTConfig
 from cosybatch.models.hift import CausalHiFTGenerator, Snake, fold_weight_norm, hann_window_periodic
 from cosybatch.reference.token2wav import HiftStream
 from conftest import ROWS, load_ref
-from parity import SAME_MEL_MAX_ABS, SAME_MEL_MIN_SNR_DB, assert_wave_close
+from parity import SAME_MEL_MAX_ABS, SAME_MEL_MIN_SNR_DB, assert_wave_close, wave_error
 
 pytestmark = pytest.mark.numeric
 
@@ -425,11 +425,6 @@ def test_cudnn_channels_last_decode_is_the_models_on_cpu():
         decoder(model, "cuda")
 
 
-def _snr_db(got, want):
-    g, w = got.double().flatten(), want.double().flatten()
-    return (10 * torch.log10(w.pow(2).sum() / (g - w).pow(2).sum().clamp_min(1e-300))).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("convs", ["cudnn_channels_last", "triton"])
 def test_channels_last_decodes_on_cuda_against_float32(convs):
@@ -477,7 +472,7 @@ def test_channels_last_decodes_on_cuda_against_float32(convs):
     finally:
         torch.backends.cudnn.allow_tf32 = True
     for i, r in enumerate(ref):
-        snr = {name: _snr_db(w[i], r) for name, w in (("ncl tf32", ncl_tf32), (f"{convs} tf32", got_tf32),
+        snr = {name: wave_error(w[i], r)[0] for name, w in (("ncl tf32", ncl_tf32), (f"{convs} tf32", got_tf32),
                                                       (f"{convs} float32", got_f32))}
         print(f"HiFT {convs}, wave {i}: SNR dB against float32 NCL cuDNN", {k: round(v, 1) for k, v in snr.items()})
         assert all(w[i].shape == r.shape for w in (ncl_tf32, got_tf32, got_f32))

@@ -20,6 +20,7 @@ from cosybatch.codec import triton_kernels as K  # noqa: E402
 from cosybatch.codec.dit_step import ConvPositionEmbed, rotary_qk_, rotary_tables  # noqa: E402
 from cosybatch.models.config import DiTConfig  # noqa: E402
 from cosybatch.models.dit import DiT  # noqa: E402
+from parity import rel_rms  # noqa: E402
 
 
 def test_position_conv_kernel_matches_the_module_on_packed_rows():
@@ -263,8 +264,4 @@ def test_hift_triton_decode_is_the_modules_decode(tf32):
     if not tf32:
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
         return
-
-    def rel_rms(a, b):
-        return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
-
     assert rel_rms(got, want) <= 4e-4 and rel_rms(got, plain) >= 4e-4
