@@ -121,7 +121,7 @@ for step in "$@"; do
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py > "$OUT/flow_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/flow_tests.txt"; grep -E "passed|failed|error|rel RMS|graphs:|rotary|conv |gelu|fused" "$OUT/flow_tests.txt" | tail -30 ;;
     hiftconvs) log "HiFT's decode on channels-last tensors (cuDNN, Triton convs): the GPU test against float32 / cuDNN TF32, then profile_hift beside the NCL path"
-      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_hift.py -k triton_convs > "$OUT/hiftconvs_tests.txt" 2>&1
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_hift.py -k channels_last_decodes > "$OUT/hiftconvs_tests.txt" 2>&1
       echo "rc=$?" >> "$OUT/hiftconvs_tests.txt"; grep -E "passed|failed|Error|SNR" "$OUT/hiftconvs_tests.txt" | cut -c1-300 | tail -12
       timeout 200 python3 scripts/profile_hift.py --requests 6 --variants f0-gemm,cudnn-cl,triton-convs --json "$OUT/profile_hiftconvs.json" 2>&1 \
         | tee "$OUT/profile_hiftconvs.txt" | grep -E "^\||outputs" ;;

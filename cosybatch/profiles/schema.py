@@ -164,9 +164,9 @@ class Optimizations:
     # channels-last activations, no transposes. triton: ~96 launches of one Triton conv kernel
     # with the Snake / LeakyReLU, bias, residual and resblock sums folded in, no per-shape plans.
     # Both alternatives sum in another order than cuDNN's NCL kernels (not bit-equal; TF32 when
-    # codec.hift_tf32 is on). cudnn until the others are measured (the first Triton version ran
-    # 2.5x slower); on CPUs or without Triton always cudnn.
-    hift_convs: Literal["cudnn", "cudnn_channels_last", "triton"] = "cudnn"
+    # codec.hift_tf32 is on). triton by default: measured fastest (docs/performance.md, sixteenth
+    # session); on CPUs or without Triton always cudnn.
+    hift_convs: Literal["cudnn", "cudnn_channels_last", "triton"] = "triton"
     flow_graphs: bool = False  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int = 256  # layout buckets; each holds its step buffers (~6 MB at full size)
     # Capture at start-up, before the first row, every flow bucket of solves of at most this many
