@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from cosybatch.scheduler.budget import budget_rows, gpu_budget, kernel_active_share
+from cosybatch.scheduler.budget import budget_rows, gpu_budget, kernel_active_by_part, kernel_active_share
 
 
 def test_budget_divides_each_stage_by_the_audio_and_names_the_idle_time():
@@ -47,6 +47,17 @@ def test_kernel_active_share_and_its_absence():
     s.close()
 
 
+def test_kernel_active_by_part_shows_a_ramp_and_a_drain():
+    # 25 samples: a ramp (40 %), a steady middle (100 %), a drain (10 %)
+    samples = [40.0] * 5 + [100.0] * 15 + [10.0] * 5
+    parts = kernel_active_by_part(samples, parts=5)
+    assert parts == [0.4, 1.0, 1.0, 1.0, 0.1]
+    assert kernel_active_by_part(samples[:4], parts=5) is None
+    # unequal division: every sample counted once, the parts' sizes differ by at most one
+    tenths = kernel_active_by_part([float(i) for i in range(23)])
+    assert len(tenths) == 10 and tenths[0] == kernel_active_share([0.0, 1.0])
+
+
 def test_the_profile_table_shows_the_budget_and_the_kernel_active_share():
     from rich.console import Console
 
@@ -56,12 +67,13 @@ def test_the_profile_table_shows_the_budget_and_the_kernel_active_share():
 
     clock = FakeClock()
     res = run_closed_loop(FakePipeline(clock), reqs(2), concurrency=2, num_warmups=0, clock=clock)
-    res.timeline = {"gpu_kernel": {"kernel_active_share": 0.865, "samples": 10},
+    res.timeline = {"gpu_kernel": {"kernel_active_share": 0.865, "samples": 10, "by_tenth": [0.5] + [0.9] * 9},
                     "gpu_budget": gpu_budget({"flow_step": 990.0, "ar_decode": 5.0}, 1.0, 100.0, 0.865)}
     console = Console(width=200, record=True)
     console.print(result_table(res, "t"))
     text = console.export_text()
     assert "GPU kernel-active share of wall (NVML, in the process)" in text and "86.5%" in text
+    assert "GPU kernel-active share by tenth of the run (%)" in text and "50 90 90" in text
     assert "GPU ms per audio second: flow steps" in text and "9.90" in text
     res.timeline = {"gpu_kernel": {"kernel_active_share": None, "unavailable": "install nvidia-ml-py"}}
     console = Console(width=200, record=True)

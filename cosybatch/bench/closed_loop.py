@@ -262,6 +262,9 @@ def result_table(result: BenchResult, title: str):
         share = kernel.get("kernel_active_share")
         rows.append(("GPU kernel-active share of wall (NVML, in the process)",
                      f"{share:.1%}" if share is not None else f"unavailable: {kernel.get('unavailable')}"))
+        if kernel.get("by_tenth"):
+            rows.append(("GPU kernel-active share by tenth of the run (%)",
+                         " ".join(f"{100 * v:.0f}" for v in kernel["by_tenth"])))
     if tl.get("gpu_budget"):
         rows += budget_rows(tl["gpu_budget"])
     if tl.get("flow_tflops") is not None:

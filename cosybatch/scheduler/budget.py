@@ -28,6 +28,18 @@ def kernel_active_share(samples: list[float]) -> float | None:
     return round(sum(samples) / len(samples) / 100.0, 4) if samples else None
 
 
+def kernel_active_by_part(samples: list[float], parts: int = 10) -> list[float] | None:
+    """The kernel-active share of each of ``parts`` consecutive equal stretches of the samples
+    (taken at a fixed period, so of the window's time): a GPU idle while the run ramps up or
+    drains shows in the first or last parts, one the host starves throughout in all of them.
+    None with fewer samples than parts."""
+    if len(samples) < parts:
+        return None
+    n = len(samples)
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [kernel_active_share(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def gpu_budget(slice_ms: dict[str, float], wall_s: float, audio_s: float,
                kernel_active: float | None = None) -> dict | None:
     """GPU milliseconds per second of audio produced, by stage (``STAGES``), plus:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from cosybatch.scheduler.budget import kernel_active_share
+from cosybatch.scheduler.budget import kernel_active_by_part, kernel_active_share
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class KernelActiveSampler:
             samples = list(self._samples)
         share = kernel_active_share(samples)
         out: dict = {"kernel_active_share": share, "samples": len(samples)}
+        tenths = kernel_active_by_part(samples)
+        if tenths is not None:
+            out["by_tenth"] = tenths
         if share is None:
             out["unavailable"] = self.unavailable or "no samples yet"
         return out
