@@ -178,6 +178,33 @@ def test_uniforms_kernel_is_the_torch_hash_on_cuda():
     assert torch.equal(K.uniforms(lo, hi, step, 2), uniforms(lo, hi, step, 2))
 
 
+def test_sampler_scores_kernel_is_the_tensor_ops_on_cuda():
+    """The sampler's steps before its sort in one Triton launch (IEEE division, libdevice's expf)
+    give the bits of its tensor ops on the GPU: the scores and the fixed-point probabilities, at
+    the full model's vocabulary, for RAS and standard rows with seen ids, early steps and forced
+    lengths, over logits from flat to peaked."""
+    from cosybatch.engine.sampler import SamplerState, _C, _FIXED_ONE
+
+    cfg = LLMConfig()
+    rows = 64
+    st = SamplerState(rows, cfg.speech_vocab, cfg.speech_token_size, cfg.sos, 256, DEV)
+    for r in range(rows):
+        p = (SamplingParams.standard(0.7, 0.8, 20, 1.21, seed=r, enforce_min_len=r % 4 == 1) if r % 2 else
+             SamplingParams(seed=r, force_length=9 if r % 6 == 0 else None))
+        st.bind(r, p, 2)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    st.seen[:, ::5] = True
+    for step in range(6):
+        logits = torch.randn(rows, st.vocab_padded, generator=g, device=DEV) * (0.3 + 4 * step)
+        logits[:, st.vocab:] = float("-inf")
+        n_gen = torch.full((rows,), step, device=DEV)
+        p, seen = st.params[:rows], st.seen[:rows]
+        want = st._scores(logits, p, seen, n_gen)
+        got = K.sampler_scores(logits, p, seen, n_gen, _C, st.stop_start, st.vocab, st.sos, _FIXED_ONE)
+        assert torch.equal(got[0], want[0]), step
+        assert torch.equal(got[1], want[1]), (step, (got[1] - want[1]).abs().max().item())
+
+
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_silu_in_the_gate_up_epilogue_is_the_two_kernels_on_cuda(phase):
     """SiLU x up in the gate/up GEMM's epilogue (weights as (gate, up) row pairs) gives the bits

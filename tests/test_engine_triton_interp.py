@@ -133,38 +133,68 @@ def test_uniforms_kernel_is_the_torch_hash_bit_for_bit():
         assert torch.equal(K.uniforms(lo, hi, step, draws), uniforms(lo, hi, step, draws))
 
 
-def test_sampler_draw_kernel_is_the_tensor_ops_bit_for_bit():
-    """``K.sampler_draw`` (the draw after the sort in one launch) picks the same ids as the
-    sampler's tensor ops, step after step with the history it records: RAS and standard rows,
-    rows given as a slice and as indices, flat and peaked logits, a RAS row whose pick repeats
-    (the redraw from the rest) and one with no mass left besides it (the runner-up)."""
+def _bound_sampler(draw=None, scores=None, vocab=300, rows=8):
     from cosybatch.engine.sampler import SamplerState
 
-    vocab, rows = 300, 8
+    st = SamplerState(rows, vocab, 280, 280, 64, torch.device("cpu"), uniforms=K.uniforms, draw=draw, scores=scores)
+    for r in range(rows):
+        st.bind(r, SamplingParams.standard(0.7, 0.8, 20, 1.21, seed=r, enforce_min_len=r % 4 == 1) if r % 2 else
+                SamplingParams(top_k=25, top_p=0.8, win_size=10, tau_r=0.1, seed=r), 2)
+    return st
 
-    def sampler(draw):
-        st = SamplerState(rows, vocab, 280, 280, 64, torch.device("cpu"), uniforms=K.uniforms, draw=draw)
-        for r in range(rows):
-            st.bind(r, SamplingParams.standard(0.7, 0.8, 20, 1.21, seed=r) if r % 2 else
-                    SamplingParams(top_k=25, top_p=0.8, win_size=10, tau_r=0.1, seed=r), 2)
-        return st
 
+def test_sampler_scores_kernel_is_the_tensor_ops():
+    """``K.sampler_scores`` (the sampler's steps before the sort in one launch) against
+    ``SamplerState._scores``: the penalised, tempered and masked scores bit for bit (IEEE
+    division both), for RAS and standard rows, seen ids, early steps (sos only, every stop id)
+    and forced lengths. The fixed-point probabilities within 2 ulp of exp: the interpreter's exp
+    is numpy's, the tensor ops' PyTorch's (on a GPU both are the CUDA math library's expf, and
+    the GPU test asks for the same bits)."""
+    from cosybatch.engine.sampler import _C, _FIXED_ONE
+
+    st = _bound_sampler()
+    st.bind(6, SamplingParams(seed=6, force_length=9), 2)
+    g = torch.Generator().manual_seed(7)
+    st.seen[:, ::3] = True
+    for step in range(4):  # steps 0 and 1 are before min_len (2): the early masks
+        logits = torch.randn(8, st.vocab_padded, generator=g) * (0.5 + 3 * step)
+        logits[:, st.vocab:] = float("-inf")
+        n_gen = torch.full((8,), step)
+        sel = slice(0, 8) if step % 2 else torch.arange(8)
+        p, seen = st.params[sel], st.seen[sel]
+        want_s, want_q = st._scores(logits, p, seen, n_gen)
+        got_s, got_q = K.sampler_scores(logits, p, seen, n_gen, _C, st.stop_start, st.vocab, st.sos, _FIXED_ONE)
+        assert torch.equal(got_s, want_s)
+        assert torch.isneginf(got_s[:, st.vocab:]).all() and (got_q[:, st.vocab:] == 0).all()
+        assert ((got_q - want_q).abs().double() <= want_q.double() * 2.0**-22 + 1).all()
+        assert (got_q.amax(1) == 2**40).all()  # the max id gets exactly FIXED_ONE
+    assert torch.isneginf(want_s[6, 280:300]).all()  # the forced row never stops
+
+
+def test_sampler_kernels_draw_the_tensor_ops_tokens():
+    """The sampler with its Triton kernels (the steps before the sort, the random numbers, the
+    draw after it) picks the same ids as with tensor ops, step after step with the history it
+    records: RAS and standard rows, rows given as a slice and as indices, flat and peaked
+    logits, a RAS row whose pick repeats (the redraw from the rest) and one with no mass left
+    besides it (the runner-up)."""
     g = torch.Generator().manual_seed(5)
-    ops, kernel = sampler(None), sampler(K.sampler_draw)
+    ops, kernel = _bound_sampler(), _bound_sampler(K.sampler_draw, K.sampler_scores)
+    draw_only = _bound_sampler(K.sampler_draw)
     picks = []
     for step in range(24):
-        logits = torch.randn(rows, ops.vocab_padded, generator=g) * (0.5 + step % 4)
+        logits = torch.randn(8, ops.vocab_padded, generator=g) * (0.5 + step % 4)
         logits[0, 7] += 12.0  # row 0 (RAS) keeps picking 7 first: its repeats redraw from the rest
         logits[2, :] = -1e4
         logits[2, 9] = 0.0  # row 2 (RAS): only 9 has any mass, so its redraw takes the runner-up
-        logits[:, vocab:] = float("-inf")
-        n_gen = torch.full((rows,), step)
-        sel = slice(0, rows) if step % 2 else torch.arange(rows)
+        logits[:, ops.vocab:] = float("-inf")
+        n_gen = torch.full((8,), step)
+        sel = slice(0, 8) if step % 2 else torch.arange(8)
         want = ops.sample(logits, sel, n_gen)
-        got = kernel.sample(logits, sel, n_gen)
-        assert torch.equal(got, want), (step, got, want)
+        for st in (kernel, draw_only):
+            got = st.sample(logits, sel, n_gen)
+            assert torch.equal(got, want), (step, got, want)
+            st.record(sel, n_gen, got)
         ops.record(sel, n_gen, want)
-        kernel.record(sel, n_gen, got)
         picks.append(want)
     picks = torch.stack(picks)
     assert (picks[1:, 0] != 7).any() and (picks[1:, 2] != 9).any()  # both redraws happened
@@ -210,7 +240,9 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
     # (three rows of both modes, one joining mid-run, keep the interpreter's cost down)
     fused = engine(2, rope_in_attention=True, sampler_kernels=False)
     assert fused.runner.executor.rope_in_attention and e4.runner.sampler.draw is K.sampler_draw
+    assert e4.runner.sampler.scores is K.sampler_scores
     assert fused.runner.sampler.uniforms is not K.uniforms and fused.runner.sampler.draw is None
+    assert fused.runner.sampler.scores is None
     for i in (3, 0, 4):
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()
@@ -221,7 +253,7 @@ def test_decode_step_launch_census():
     """The kernel launches of one AR decode step of one row, counted as the ops issue them
     (``scripts/kernel_census.py``; on a GPU the step replays from a graph, and batched sampling
     there issues what one row's sampling issues here): the model's 8 per layer (SiLU x up in the
-    gate/up GEMM), the sampler's two Triton kernels (design.md D30: 252 launches fewer than its
+    gate/up GEMM), the sampler's three Triton kernels (design.md D30: 281 launches fewer than its
     tensor ops) and RoPE inside the attention (one launch fewer per layer). A change that adds a launch fails here, with the
     step's ops in the message."""
     import sys
@@ -251,6 +283,7 @@ def test_decode_step_launch_census():
     assert default[start: start + 8 * layers] == per_layer * layers, default
     sampling = default[start + 8 * layers + 1:]  # after the head's matmul: sample, record, row state
     assert sampling.count("triton._uniforms_kernel") == 1 and sampling.count("triton._draw_kernel") == 1
-    assert len(default) == 70, (len(default), default)
+    assert sampling.count("triton._scores_kernel") == 1
+    assert len(default) == 42, (len(default), default)
     assert len(rope) == len(default) - layers and "triton._rope_paged_attn_kernel" in rope
-    assert len(tensor_ops) == len(default) + 252, len(tensor_ops)
+    assert len(tensor_ops) == len(default) + 281, len(tensor_ops)

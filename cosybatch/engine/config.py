@@ -36,9 +36,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     # prefills of at most this many packed tokens replay a graph per token bucket (0: eager)
     prefill_graph_tokens: int = 4096
-    # triton executor: the sampler's random numbers and its draw after the sort as two Triton
-    # kernels (engine.triton_kernels.uniforms, sampler_draw), the same bits as the sampler's
-    # tensor ops: 37 launches to sample and record a token instead of 289 (design.md D30)
+    # triton executor: the sampler's steps before its sort, its random numbers and its draw after
+    # the sort as three Triton kernels (engine.triton_kernels.sampler_scores, uniforms,
+    # sampler_draw), the same bits as the sampler's tensor ops: 9 launches to sample and record a
+    # token instead of 290 (design.md D30)
     sampler_kernels: bool = True
     # official CosyVoice3LM.inference ratios (not in the yaml)
     min_token_text_ratio: float = 2.0

@@ -62,11 +62,11 @@ class ModelRunner:
         self.max_blocks = -(-cfg.max_model_len // cfg.kv_block_size) + 1
         # one more row than decode uses: the scratch row that a graphed prefill's padding reads
         self.rows = DecodeRows(self.num_rows + 1, self.max_blocks, self.device)
-        uniforms, draw = rng.uniforms, None
-        if executor == "triton" and cfg.sampler_kernels:  # the same bits, 252 launches fewer
-            from cosybatch.engine.triton_kernels import sampler_draw as draw, uniforms
+        uniforms, draw, scores = rng.uniforms, None, None
+        if executor == "triton" and cfg.sampler_kernels:  # the same bits, ~280 launches fewer
+            from cosybatch.engine.triton_kernels import sampler_draw as draw, sampler_scores as scores, uniforms
         self.sampler = SamplerState(self.num_rows, lm.cfg.speech_vocab, lm.cfg.speech_token_size,
-                                    lm.cfg.sos, cfg.max_model_len, self.device, uniforms, draw)
+                                    lm.cfg.sos, cfg.max_model_len, self.device, uniforms, draw, scores)
         if executor == "torch":
             from cosybatch.engine.torch_executor import TorchExecutor
 

@@ -47,7 +47,7 @@ class SamplerState:
     drawn tokens."""
 
     def __init__(self, num_rows: int, vocab: int, stop_start: int, sos: int, history_len: int,
-                 device: torch.device, uniforms=uniforms, draw=None):
+                 device: torch.device, uniforms=uniforms, draw=None, scores=None):
         self.vocab = vocab
         self.vocab_padded = padded_vocab(vocab)
         self.stop_start = stop_start
@@ -58,6 +58,9 @@ class SamplerState:
         # None: the draw after the sort as tensor ops below; else a kernel with the same steps
         # (engine.triton_kernels.sampler_draw)
         self.draw = draw
+        # None: the steps before the sort as tensor ops (``_scores``); else a kernel with the same
+        # float32 operations (engine.triton_kernels.sampler_scores)
+        self.scores = scores
         self.params = torch.zeros(num_rows, len(_COLS), dtype=torch.float64, device=device)
         self.history = torch.zeros(num_rows, history_len, dtype=torch.long, device=device)
         self.seen = torch.zeros(num_rows, self.vocab_padded, dtype=torch.bool, device=device)
@@ -106,32 +109,16 @@ class SamplerState:
 
     # ---------------------------------------------------------------- drawing
 
-    def _p(self, name: str, rows) -> torch.Tensor:
-        return self.params[rows, _C[name]]
-
     def sample(self, logits: torch.Tensor, rows, n_gen: torch.Tensor) -> torch.Tensor:
         """logits [n, Vp] float32 (padding columns -inf), rows (slice or LongTensor [n]) and
         n_gen [n] (tokens generated so far = index of the token being drawn) -> ids [n] int64."""
         p = self.params[rows]
-        is_ras = p[:, _C["is_ras"]] > 0
-        seen = self.seen[rows]
+        if self.scores is not None:
+            scores, q = self.scores(logits, p, self.seen[rows], n_gen, _C, self.stop_start, self.vocab, self.sos,
+                                    _FIXED_ONE)
+        else:
+            scores, q = self._scores(logits, p, self.seen[rows], n_gen)
         col = self._col
-
-        # standard-mode transforms (no-ops for RAS rows: penalty 1, temperature 1)
-        pen = p[:, _C["penalty"]].float().unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / pen, logits * pen)
-        scores = torch.where(seen & ~is_ras.unsqueeze(1), penalized, logits)
-        scores = scores / p[:, _C["temperature"]].float().unsqueeze(1)
-
-        early = n_gen < p[:, _C["min_len"]].long()
-        mask_all = (early & (p[:, _C["mask_all_early"]] > 0)) | (p[:, _C["force"]] > 0)
-        sos_only = early & ~mask_all
-        kill = (mask_all.unsqueeze(1) & self._stop_cols) | (sos_only.unsqueeze(1) & self._sos_col)
-        scores = scores.masked_fill(kill, float("-inf"))
-
-        # fixed-point probabilities (unnormalised; the max id gets exactly 2**40)
-        e = torch.exp(scores - scores.amax(dim=1, keepdim=True))
-        q = torch.floor(e * _FIXED_ONE).long()
 
         # nucleus walk over the stable descending order
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices
@@ -158,6 +145,7 @@ class SamplerState:
         ng = n_gen.unsqueeze(1)
         in_win = (self._hist_col >= ng - win) & (self._hist_col < ng)
         rep = ((hist == tok1) & in_win).sum(1, keepdim=True)
+        is_ras = p[:, _C["is_ras"]] > 0
         hit = is_ras.unsqueeze(1) & (rep.double() >= p[:, _C["rep_threshold"]].unsqueeze(1))
         q2 = q.masked_fill(col == tok1, 0)
         incl2 = q2.cumsum(1)
@@ -167,6 +155,27 @@ class SamplerState:
         # nothing else has any mass left: the official multinomial would still pick the runner-up
         tok2 = torch.where(total2 > 0, tok2, order[:, 1:2]).clamp(max=self.vocab - 1)
         return torch.where(hit, tok2, tok1).squeeze(1)
+
+    def _scores(self, logits: torch.Tensor, p: torch.Tensor, seen: torch.Tensor, n_gen: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores [n, Vp] float32, q [n, Vp] int64): the logits after the repetition penalty,
+        temperature and early-stop masks, and their fixed-point probabilities."""
+        is_ras = p[:, _C["is_ras"]] > 0
+        # standard-mode transforms (no-ops for RAS rows: penalty 1, temperature 1)
+        pen = p[:, _C["penalty"]].float().unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / pen, logits * pen)
+        scores = torch.where(seen & ~is_ras.unsqueeze(1), penalized, logits)
+        scores = scores / p[:, _C["temperature"]].float().unsqueeze(1)
+
+        early = n_gen < p[:, _C["min_len"]].long()
+        mask_all = (early & (p[:, _C["mask_all_early"]] > 0)) | (p[:, _C["force"]] > 0)
+        sos_only = early & ~mask_all
+        kill = (mask_all.unsqueeze(1) & self._stop_cols) | (sos_only.unsqueeze(1) & self._sos_col)
+        scores = scores.masked_fill(kill, float("-inf"))
+
+        # fixed-point probabilities (unnormalised; the max id gets exactly 2**40)
+        e = torch.exp(scores - scores.amax(dim=1, keepdim=True))
+        return scores, torch.floor(e * _FIXED_ONE).long()
 
     def record(self, rows, n_gen: torch.Tensor, tokens: torch.Tensor) -> None:
         """history[row, n_gen] = token and seen[row, token] = True (rows as in ``sample``)."""

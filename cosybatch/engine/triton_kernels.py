@@ -14,6 +14,10 @@ so it cannot change with the number of rows, their order or their neighbours.
 * ``uniforms``: the sampler's counter-based random numbers (``engine.rng``) for every row and
   draw in one launch, with the same int64 operations: integer-exact, so the same bits as the
   185 small tensor ops of the torch form.
+* ``sampler_scores``: ``SamplerState.sample`` before its sort (repetition penalty, temperature,
+  early-stop masks, the fixed-point probabilities), one program per row, with the float32
+  operations its ~30 tensor ops perform: IEEE division (``div_rn``, not Triton's approximate
+  ``/``) and the CUDA math library's ``expf`` (libdevice, what PyTorch's ``exp`` runs).
 * ``sampler_draw``: ``SamplerState.sample`` after its sort, one program per row, with the same
   integer and float64 steps as its ~50 tensor ops.
 * ``rope_paged_attention``: a decode step's ``rope_cache`` and ``paged_attention`` in one launch
@@ -24,8 +28,19 @@ so it cannot change with the number of rows, their order or their neighbours.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter (tests) has no libdevice
+    @triton.jit
+    def _expf(x):
+        return tl.exp(x)
+else:  # the CUDA math library's expf, which PyTorch's exp kernel runs (tl.exp is ex2.approx)
+    from triton.language.extra import libdevice
+
+    _expf = libdevice.exp
 
 
 def _prec(dtype):
@@ -408,6 +423,56 @@ def uniforms(seed_lo, seed_hi, step, draws: int):
                                                out, n, DRAWS=draws, BLOCK=block, C1=rng._C1, C2=rng._C2,
                                                M32=rng._M32, GOLD=rng._GOLD, SALT=rng._SALT)
     return out
+
+
+# ------------------------------------------------------------------------------------------ scores
+
+
+@triton.jit
+def _scores_kernel(logit_ptr, p_ptr, seen_ptr, ngen_ptr, scores_ptr, q_ptr, VP, STOP_START, V, SOS,
+                   stride_l, stride_p, stride_s, stride_o, IS_RAS: tl.constexpr, PENALTY: tl.constexpr,
+                   TEMPERATURE: tl.constexpr, MIN_LEN: tl.constexpr, MASK_ALL_EARLY: tl.constexpr,
+                   FORCE: tl.constexpr, FIXED_ONE: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    col = tl.arange(0, BLOCK)
+    ok = col < VP
+    prm = p_ptr + r * stride_p
+    x = tl.load(logit_ptr + r * stride_l + col, mask=ok, other=float("-inf"))
+    # standard-mode transforms (no-ops for RAS rows: penalty 1, temperature 1)
+    pen = tl.load(prm + PENALTY).to(tl.float32)
+    penalized = tl.where(x > 0, tl.math.div_rn(x, pen), x * pen)
+    seen = tl.load(seen_ptr + r * stride_s + col, mask=ok, other=0) != 0
+    standard = tl.load(prm + IS_RAS) <= 0
+    scores = tl.where(seen, tl.where(standard, penalized, x), x)
+    scores = tl.math.div_rn(scores, tl.load(prm + TEMPERATURE).to(tl.float32))
+    early = tl.load(ngen_ptr + r) < tl.load(prm + MIN_LEN).to(tl.int64)
+    mask_all = (early & (tl.load(prm + MASK_ALL_EARLY) > 0)) | (tl.load(prm + FORCE) > 0)
+    sos_only = early & (mask_all == 0)
+    kill = (mask_all & (col >= STOP_START) & (col < V)) | (sos_only & (col == SOS))
+    scores = tl.where(kill, float("-inf"), scores)
+    # fixed-point probabilities (unnormalised; the max id gets exactly FIXED_ONE)
+    e = _expf(scores - tl.max(scores, axis=0))
+    q = tl.floor(e * FIXED_ONE).to(tl.int64)
+    tl.store(scores_ptr + r * stride_o + col, scores, mask=ok)
+    tl.store(q_ptr + r * stride_o + col, q, mask=ok)
+
+
+def sampler_scores(logits, params, seen, n_gen, columns: dict, stop_start: int, vocab: int, sos: int,
+                   fixed_one: float):
+    """``SamplerState.sample`` before its sort, one program per row: logits [n, Vp] float32
+    (padding columns -inf), params [n, len(columns)] float64, seen [n, Vp] bool, n_gen [n] ->
+    (scores [n, Vp] float32, q [n, Vp] int64 = floor(exp(score - max) * fixed_one))."""
+    import torch
+
+    n, vp = logits.shape
+    scores = torch.empty(n, vp, dtype=torch.float32, device=logits.device)
+    q = torch.empty(n, vp, dtype=torch.int64, device=logits.device)
+    _scores_kernel[(n,)](logits, params, seen, n_gen, scores, q, vp, stop_start, vocab, sos,
+                         logits.stride(0), params.stride(0), seen.stride(0), scores.stride(0),
+                         IS_RAS=columns["is_ras"], PENALTY=columns["penalty"], TEMPERATURE=columns["temperature"],
+                         MIN_LEN=columns["min_len"], MASK_ALL_EARLY=columns["mask_all_early"],
+                         FORCE=columns["force"], FIXED_ONE=fixed_one, BLOCK=_pow2(vp), num_warps=16)
+    return scores, q
 
 
 # ------------------------------------------------------------------------------------------ draw
