@@ -164,7 +164,8 @@ def test_parallel_phase_joins_every_part_and_raises_the_first_error():
 # ---------------------------------------------------------------- imports ------------------
 def test_a_gpu_frontend_run_imports_neither_onnxruntime_nor_ray_nor_inflect(standins):
     """The fast path's modules and a PyTorch-backend frontend leave onnxruntime (only the
-    CPU frontend runs it) and ray (only ``--ray``) unimported, and a text without digits
+    CPU frontend runs it), ray (only ``--ray``) and torch._dynamo (~2 s: a factory function
+    under the loader's meta device context imported it) unimported, and a text without digits
     inflect (1-3 s to import)."""
     code = f"""
 import sys
@@ -175,7 +176,7 @@ fe = Frontend({str(standins)!r}, ModelConfig(), backend="torch", device="cpu", w
 assert fe.backend == "torch"
 from cosybatch.text.normalize import split_target_text
 assert split_target_text("Hello there, how are you today?", list, normalizer="none")
-print(sorted(m for m in ("onnxruntime", "ray", "inflect") if m in sys.modules))
+print(sorted(m for m in ("onnxruntime", "ray", "inflect", "torch._dynamo") if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -60,8 +60,11 @@ def rotary_tables(head_dim: int, positions: int) -> tuple[torch.Tensor, torch.Te
 
     The ONNX stand-in writer stores exactly these tensors, so both paths rotate with identical
     numbers."""
-    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
-    phase = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
+    # on the CPU whatever device context is current: under ``torch.device("meta")`` (the loader
+    # builds the module there) arange goes through torch._refs, whose import of torch._dynamo
+    # cost the start-up ~2 s
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")[: head_dim // 2] / head_dim))
+    phase = torch.outer(torch.arange(positions, dtype=torch.float32, device="cpu"), inv)
     return torch.cat([phase.cos(), phase.cos()], -1), torch.cat([phase.sin(), phase.sin()], -1)
 
 
@@ -159,7 +162,7 @@ class S3TokenizerV3(nn.Module):
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_positions)
         scale = self.cfg.head_dim ** -0.25
         half = self.cfg.head_dim // 2
-        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        sign = torch.cat([-torch.ones(half, device="cpu"), torch.ones(half, device="cpu")])
         self.register_buffer("rope_cos", cos * scale, persistent=False)
         self.register_buffer("rope_sin", sin * (sign * scale), persistent=False)
 
