@@ -21,7 +21,7 @@
 #        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
-#        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2 (two keys at once)
+#        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2, synthset2=K1=V1+K2=V2 (two keys at once)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
 #        hiftconvs (optimizations.hift_convs: the GPU test of its channels-last decodes, and profile_hift
 #        beside the NCL path), hiftconvbench (the decode stack alone: cuDNN NCL and channels-last, the
@@ -180,6 +180,8 @@ for step in "$@"; do
     synth) setup; synth_run synth ;;
     synthwarm) setup; head -n 128 $WL/meta.lst > $WL/m128.lst; synth_run synthwarm $WL/m128.lst ;;  # Triton's JIT cache
     synthset=*) setup; kv=${step#synthset=}; synth_run "synth-${kv//[^A-Za-z0-9_.-]/_}" $WL/meta.lst --set "$kv" ;;
+    synthset2=*) setup; kvs=${step#synthset2=}
+      synth_run "synth-${kvs//[^A-Za-z0-9_.-]/_}" $WL/meta.lst --set "${kvs%%+*}" --set "${kvs#*+}" ;;
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first

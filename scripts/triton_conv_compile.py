@@ -3,7 +3,10 @@ and report what ptxas makes of each variant the Triton decode launches: register
 spilled bytes, wgmma instructions, shared memory. A spill or a missing wgmma shows before any
 device time is spent (design.md D31). Needs Triton's NVIDIA backend (its bundled ptxas).
 
-    python scripts/triton_conv_compile.py
+    python scripts/triton_conv_compile.py [--tile BT,BCI,BCO_MAX,WARPS,STAGES]
+
+``--tile``: the tile a bench candidate would use (``scripts/bench_hift_convs.py``'s TILES), instead
+of ``triton_conv.conv_blocks``'s choice.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def ptxas() -> str:
     return found[-1]  # ptxas-blackwell where there is one: the newer PTX versions
 
 
-def report(c_in: int, c_out: int, t_out: int, flags: dict, tool: str) -> dict:
-    bt, bci, bco, warps, stages = C.conv_blocks(t_out, c_out)
+def report(c_in: int, c_out: int, t_out: int, flags: dict, tool: str, blocks=None) -> dict:
+    bt, bci, bco, warps, stages = (blocks or C.conv_blocks)(t_out, c_out)
     const = dict(X_CL=True, Y_CL=True, LEAKY=False, SNAKE=False, RES=False, ADD=False, DIV=False, OUT2=False,
                  TF32=True, ROUND_X=False, ROUND_Y=False, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco) | flags
     sig = {p: "*fp32" for p in POINTERS} | {n: "i32" for n in INTS} | {"slope": "fp32", "div": "fp32"}
@@ -70,13 +73,23 @@ def report(c_in: int, c_out: int, t_out: int, flags: dict, tool: str) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tile", help="BT,BCI,BCO_MAX,WARPS,STAGES (as bench_hift_convs.py's TILES)")
+    args = ap.parse_args()
+    blocks = None
+    if args.tile:
+        from bench_hift_convs import tiles
+
+        blocks = tiles(*(int(v) for v in args.tile.split(",")))
     tool = ptxas()
     print(f"triton {triton.__version__}, {os.path.basename(tool)}, sm_90a")
     print("| launch | frames | tile | registers | spilled bytes | wgmma | shared bytes |")
     print("|---|---|---|---|---|---|---|")
     for name, (c_in, c_out, flags) in VARIANTS.items():
         for t_out in (512, 8192):
-            r = report(c_in, c_out, t_out, flags, tool)
+            r = report(c_in, c_out, t_out, flags, tool, blocks)
             print(f"| {name} | {t_out} | {r['tile']} | {r['registers']} | {r['spill_bytes']} | {r['wgmma']} | "
                   f"{r['shared_bytes']} |", flush=True)
 
