@@ -31,19 +31,24 @@ from cosybatch.codec.snake import SnakePad  # noqa: E402
 from cosybatch.models.config import HiFTConfig  # noqa: E402
 from cosybatch.models.hift import CausalHiFTGenerator, Snake  # noqa: E402
 
-# (BLOCK_T, BLOCK_CI, largest BLOCK_CO, warps, stages); under 2,048 frames BLOCK_T is 64 on 4
-# warps. Each keeps to 32 accumulators a thread: ptxas spills with 64 (triton_conv.conv_blocks).
+# (BLOCK_T, BLOCK_CI, largest BLOCK_CO, warps, stages); under 2,048 frames BLOCK_T is 64, on 4
+# warps up to 64 output channels a tile, on 8 above. Each keeps to 32 accumulators a thread
+# (ptxas spills with 64, triton_conv.conv_blocks), except 128 x 128 (64, no spills: compiled with
+# scripts/triton_conv_compile.py --tile, 196-221 registers). The wider tiles read each input
+# tile for more output channels (the 256-channel stage re-reads its input 4 times at 64).
 TILES = {"t128-ci32-co64-w8": (128, 32, 64, 8, 3), "t64-ci32-co64-w4": (64, 32, 64, 4, 3),
          "t128-ci64-co64-w8": (128, 64, 64, 8, 3), "t64-ci64-co64-w4": (64, 64, 64, 4, 3),
-         "t128-ci32-co64-w8-s4": (128, 32, 64, 8, 4)}
+         "t128-ci32-co64-w8-s4": (128, 32, 64, 8, 4), "t64-ci32-co128-w8": (64, 32, 128, 8, 3),
+         "t128-ci32-co128-w8": (128, 32, 128, 8, 3), "t128-ci16-co64-w8-s4": (128, 16, 64, 8, 4)}
 SHAPES = {"streaming": (8, 130), "whole": (16, 300)}  # (rows, mel frames)
 
 
 def tiles(bt, bci, bco_max, warps, stages):
     def blocks(t_out, c_out):
-        long = t_out >= 2048
-        return (bt if long else 64), bci, max(16, min(bco_max, triton_conv.triton.next_power_of_2(c_out))), \
-            (warps if long else 4), stages
+        bco = max(16, min(bco_max, triton_conv.triton.next_power_of_2(c_out)))
+        if t_out >= 2048:
+            return bt, bci, bco, warps, stages
+        return 64, bci, bco, (4 if bco <= 64 else 8), stages
     return blocks
 
 
@@ -78,7 +83,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=6)
     # each choice compiles every kernel variant again (~1 s each on the first run of a machine)
-    ap.add_argument("--tiles", default="t128-ci32-co64-w8,t128-ci64-co64-w8,t64-ci32-co64-w4",
+    ap.add_argument("--tiles", default="t128-ci32-co64-w8,t64-ci32-co128-w8,t128-ci32-co128-w8,t128-ci16-co64-w8-s4,"
+                                       "t128-ci32-co64-w8-s4",
                     help=f"comma list of {', '.join(TILES)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
