@@ -49,9 +49,10 @@ class _Frontend:
         return Done()
 
 
-def _work(cached=(), batch=4):
+def _work(cached=(), batch=4, gather_s=0.0):
     fe = _Frontend(set(cached))
-    return fe, PromptWork(fe, workers=2, on_device=True, acct=Accounting(torch.device("cpu")), batch=batch)
+    return fe, PromptWork(fe, workers=2, on_device=True, acct=Accounting(torch.device("cpu")), batch=batch,
+                          gather_s=gather_s)
 
 
 def _add(work, names):
@@ -92,5 +93,30 @@ def test_a_short_engine_queue_or_an_idle_pipeline_launches_what_has_gathered():
         assert work.take(backlog=4)[0] == []
         assert _ids(work.take(wait=True, backlog=4)[0]) == ["b", "c"]  # idle: nothing to gather for
         assert fe.launches == [["a"], ["b", "c"]]
+    finally:
+        work.close()
+
+
+def test_with_a_gather_time_a_short_queue_waits_for_the_oldest_prompt_s_time():
+    """``frontend.gather_ms``: with fewer than a batch queued, gathered prompts launch together
+    once the oldest has waited that long (not one launch each as they load); a full batch, a
+    cached prompt or an idle pipeline still go at once."""
+    fe, work = _work(cached={"c"}, gather_s=0.2)
+    try:
+        _add(work, ["a"])
+        t0 = time.perf_counter()
+        assert work.take(backlog=0)[0] == [] and fe.launches == []  # the engine could use it, yet it waits
+        _add(work, ["b", "c"])
+        ready, _, _ = work.take(backlog=0)
+        assert _ids(ready) == ["c"] and fe.launches == [["c"]]  # the cached one passes
+        while time.perf_counter() - t0 < 0.2:
+            assert work.take(backlog=0)[0] == [] or time.perf_counter() - t0 >= 0.2
+            time.sleep(0.01)
+        ready, _, _ = work.take(backlog=0)
+        assert _ids(ready) == ["a", "b"] and fe.launches[-1] == ["a", "b"]  # one launch for both
+        _add(work, ["d", "e", "f", "g"])
+        assert _ids(work.take(backlog=0)[0]) == ["d", "e", "f", "g"]  # a full batch goes at once
+        _add(work, ["h"])
+        assert _ids(work.take(wait=True, backlog=0)[0]) == ["h"]  # an idle pipeline launches it
     finally:
         work.close()

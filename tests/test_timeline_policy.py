@@ -240,6 +240,11 @@ def test_prompts_launch_in_full_batches_while_the_engine_has_rows_queued():
     assert {k: launch_prompts(*k, batch=64) for k in golden} == golden
     # batch 1: every prompt at once, whatever is queued (the latency setting)
     assert launch_prompts(1, 10_000, batch=1) and not launch_prompts(0, 0, batch=1)
+    # a gather time: a short queue launches once the oldest prompt has waited it; a full batch at once
+    assert not launch_prompts(5, 0, batch=64, waited_s=0.1, gather_s=0.5)
+    assert launch_prompts(5, 0, batch=64, waited_s=0.5, gather_s=0.5)
+    assert launch_prompts(64, 0, batch=64, waited_s=0.0, gather_s=0.5)
+    assert not launch_prompts(5, 64, batch=64, waited_s=9.0, gather_s=0.5)  # a full batch queued: gather on
 
 
 def test_a_slice_closed_as_another_kind_is_counted_there_without_its_learner():

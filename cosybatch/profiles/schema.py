@@ -120,6 +120,11 @@ class FrontendProfile:
     # GPU frontend: prompts gathered into one launch while the AR engine has at least that
     # many rows queued (with fewer, what has loaded launches at once: those rows are needed)
     batch: int = 64
+    # GPU frontend: with fewer than ``batch`` rows queued, gathered prompts still wait until the
+    # oldest has waited this long (0: they launch at once, what latency wants). In bulk runs the
+    # engine's queue is short because the run's window, not the engine, limits it, and launches
+    # of a few prompts each pay the whole launch's host time and, with ``row_bucket``, its padding
+    gather_ms: float = 0.0
     # GPU frontend: a launch's rows are padded to a multiple of this (copies, dropped), so its
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
     # rows; docs/performance.md)
@@ -369,6 +374,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "codec.frontend_workers": (lambda v: v >= 1, "must be >= 1"),
     "frontend.batch": (lambda v: v >= 1, "must be >= 1"),
     "frontend.row_bucket": (lambda v: v >= 1, "must be >= 1"),
+    "frontend.gather_ms": (lambda v: v >= 0, "must be >= 0"),
     "hops.first": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.max": (lambda v: v is None or v >= 1, "must be >= 1"),
     "hops.scale": (lambda v: v >= 1, "must be >= 1"),

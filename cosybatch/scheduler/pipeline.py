@@ -127,7 +127,8 @@ class FastPipeline:
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
-        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch)
+        self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch,
+                                  settings.frontend.gather_s)
         self._rows: dict[str, _Row] = {}
         self._added: dict[str, float] = {}  # host time each request was added, until admitted
         # finished rows' lives since the window began (the latest ones: bounded for long runs)

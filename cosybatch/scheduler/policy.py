@@ -139,17 +139,19 @@ def iteration_budget(lim: Limits, ar_rows: int) -> float:
     return min(max(lim.budget_max_ms, lim.budget_ms), lim.budget_ms * max(1.0, lim.ar_capacity / ar_rows))
 
 
-def launch_prompts(gathered: int, backlog: int, batch: int) -> bool:
+def launch_prompts(gathered: int, backlog: int, batch: int, waited_s: float = 0.0, gather_s: float = 0.0) -> bool:
     """Whether the GPU frontend launches the ``gathered`` prompts now (design.md D15).
 
     A launch has a fixed cost (its kernels are launched one by one, ~1,500 of them), so a
     few prompts at a time waste it, but rows must not wait for their features while the AR
     engine could run them: launch a full ``batch``, or whatever has gathered once the engine
     has fewer than ``batch`` rows queued ahead of them (``backlog``: rows admitted to the
-    engine but not running yet, and rows whose features are on their way back). Under a
-    fixed concurrency below the engine's capacity the backlog is empty and every prompt
-    launches at once; in bulk runs the queue ahead covers a full batch's gathering."""
-    return gathered > 0 and (gathered >= batch or backlog < batch)
+    engine but not running yet, and rows whose features are on their way back) and the oldest
+    gathered prompt has waited ``gather_s`` (``waited_s``). Under a fixed concurrency below the
+    engine's capacity the backlog is empty and, with ``gather_s`` 0, every prompt launches at
+    once; in bulk runs a run's window of rows, not the engine, can keep the backlog short, and
+    ``gather_s`` then trades a row's wait for fewer, fuller launches."""
+    return gathered > 0 and (gathered >= batch or (backlog < batch and waited_s >= gather_s))
 
 
 def _key(lim: Limits, now: float):

@@ -24,12 +24,15 @@ from cosybatch.scheduler.policy import launch_prompts
 
 
 class PromptWork:
-    def __init__(self, frontend, workers: int, on_device: bool, acct: Accounting, batch: int = 1):
+    def __init__(self, frontend, workers: int, on_device: bool, acct: Accounting, batch: int = 1,
+                 gather_s: float = 0.0):
         self.frontend = frontend
         self.on_device = on_device  # the frontend's models run here, batched (else in the workers)
         self.acct = acct
         self.batch = batch  # prompts per launch while the engine has as many rows queued
+        self.gather_s = gather_s  # with fewer queued, how long gathered prompts wait for more
         self._gathered: list[tuple] = []  # loaded, not launched: (request, LoadedPrompt, TextInputs)
+        self._gathered_since = 0.0  # when the oldest of them was gathered
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cosybatch-frontend")
         self._wake = threading.Condition()
         self.preparing: dict[str, tuple[SynthRequest, Future]] = {}
@@ -71,9 +74,13 @@ class PromptWork:
                 failed.append((rid, e))
         if not self.on_device:
             return ready, failed, bool(done)
+        now = time.perf_counter()
+        if ready and not self._gathered:
+            self._gathered_since = now
         self._gathered += ready
         on_the_way = sum(len(rows) for rows, _ in self._launched)
-        if self._gathered and (wait or launch_prompts(len(self._gathered), backlog + on_the_way, self.batch)):
+        if self._gathered and (wait or launch_prompts(len(self._gathered), backlog + on_the_way, self.batch,
+                                                      now - self._gathered_since, self.gather_s)):
             self._launch(self._gathered)
             self._gathered = []
         else:

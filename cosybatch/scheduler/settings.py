@@ -35,6 +35,7 @@ class FrontendSettings:
     dtype: torch.dtype
     split_tf32: bool
     batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
+    gather_s: float  # with fewer queued, how long gathered prompts wait for more before they launch
     row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
     warmup: bool  # every length bucket's shapes planned and captured at start-up
 
