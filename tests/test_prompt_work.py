@@ -118,5 +118,9 @@ def test_with_a_gather_time_a_short_queue_waits_for_the_oldest_prompt_s_time():
         assert _ids(work.take(backlog=0)[0]) == ["d", "e", "f", "g"]  # a full batch goes at once
         _add(work, ["h"])
         assert _ids(work.take(wait=True, backlog=0)[0]) == ["h"]  # an idle pipeline launches it
+        _add(work, ["i"])
+        assert work.take(backlog=0)[0] == []
+        work.idle()  # the pipeline had nothing else to do: it launches, not waits
+        assert fe.launches[-1] == ["i"] and _ids(work.take(backlog=0)[0]) == ["i"]
     finally:
         work.close()

@@ -95,7 +95,12 @@ class PromptWork:
         return ready, failed, bool(done) or bool(ready)
 
     def idle(self) -> None:
-        """Nothing else to do: wait briefly for a worker."""
+        """Nothing else to do: launch what has gathered (there is nothing to gather for while
+        the GPU would wait), else wait briefly for a worker."""
+        if self._gathered:
+            self._launch(self._gathered)
+            self._gathered = []
+            return
         with self._wake:
             if not self._closed and not any(f.done() for _, f in self.preparing.values()):
                 self._wake.wait(timeout=0.005)
