@@ -28,8 +28,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from cosybatch.codec import triton_conv as C  # noqa: E402
 
 POINTERS = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "alpha_ptr", "inv_ptr", "res_ptr", "add_ptr", "y2_ptr", "alpha2_ptr",
-            "inv2_ptr"]
-INTS = ["C_in", "C_out", "T_in", "T_out", "shift", "K", "DIL", "STRIDE", "UP"]
+            "inv2_ptr", "valid_ptr"]
+INTS = ["C_in", "C_out", "T_in", "T_out", "shift", "K", "DIL", "STRIDE", "UP", "rate", "margin"]
 # (C_in, C_out, the fused steps) of each kind of launch TritonConvDecode makes, at the full size
 VARIANTS = {
     "conv_pre (NCL mel)": (80, 512, dict(X_CL=False, ROUND_X=True)),
@@ -52,8 +52,9 @@ def ptxas() -> str:
 def report(c_in: int, c_out: int, t_out: int, flags: dict, tool: str, blocks=None) -> dict:
     bt, bci, bco, warps, stages = (blocks or C.conv_blocks)(t_out, c_out)
     const = dict(X_CL=True, Y_CL=True, LEAKY=False, SNAKE=False, RES=False, ADD=False, DIV=False, OUT2=False,
-                 TF32=True, ROUND_X=False, ROUND_Y=False, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco) | flags
-    sig = {p: "*fp32" for p in POINTERS} | {n: "i32" for n in INTS} | {"slope": "fp32", "div": "fp32"}
+                 TF32=True, ROUND_X=False, ROUND_Y=False, VALID=True, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco) | flags
+    sig = {p: "*fp32" for p in POINTERS} | {"valid_ptr": "*i64"} | {n: "i32" for n in INTS} | {"slope": "fp32",
+                                                                                             "div": "fp32"}
     sig |= {k: "constexpr" for k in const}
     keys = list(sig)
     aligned = POINTERS + [n for n, v in (("C_in", c_in), ("C_out", c_out)) if v % 16 == 0]  # as the JIT specialises

@@ -258,10 +258,17 @@ def test_hift_triton_decode_is_the_modules_decode(tf32):
             want = ref.decode_spec(mel, s_stft, finalize=True)
             got = TritonConvDecode(hift).decode_spec(mel, s_stft)
             plain = hift.decode_spec(mel, s_stft, finalize=True)
+            # valid frames per row (HiftRunner's padding rows have 1)
+            short = None if tf32 else TritonConvDecode(hift).decode_spec(mel, s_stft, torch.tensor([frames, 1]))
     finally:
         torch.backends.cudnn.allow_tf32 = keep
     assert got.shape == want.shape
     if not tf32:
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        # with valid frames, the spectrum's frames up to up * valid equal the full decode's bit
+        # for bit; past the margin the products were skipped
+        keep = hift.up_total + 1
+        assert torch.equal(short[0], got[0]) and torch.equal(short[1, :, :keep], got[1, :, :keep])
+        assert torch.isfinite(short).all() and not torch.equal(short[1, :, -64:], got[1, :, -64:])
         return
     assert rel_rms(got, want) <= 4e-4 and rel_rms(got, plain) >= 4e-4

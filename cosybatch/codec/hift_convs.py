@@ -62,8 +62,8 @@ class TritonConvDecode:
         tf32 = torch.backends.cudnn.allow_tf32
         return self._tc.conv1d(x, self._w[conv][tf32], self._b[conv], t_out=t_out, tf32=tf32, **kw)
 
-    def _resblock(self, rb: ResBlock, x: torch.Tensor, add: torch.Tensor | None = None,
-                  div: float | None = None) -> torch.Tensor:
+    def _resblock(self, rb: ResBlock, x: torch.Tensor, valid: torch.Tensor | None, rate: int,
+                  add: torch.Tensor | None = None, div: float | None = None) -> torch.Tensor:
         """``add + rb(x)`` (or ``rb(x)``), then ``/ div`` when given. The Snake outputs feed only
         the convs after them, so in TF32 they are stored rounded, and those convs read their
         tiles as loaded."""
@@ -73,37 +73,51 @@ class TritonConvDecode:
         a = self._tc.snake(x, *self._scales[steps[0][2]], tf32=tf32)
         for i, (c1, c2, _, s2) in enumerate(steps):
             y = self._conv(c1, a, n, shift=c1.causal_padding, dilation=c1.dilation[0], snake=self._scales[s2],
-                           x_tf32=True, round_out=True)
+                           x_tf32=True, round_out=True, valid=valid, rate=rate)
             if i + 1 < len(steps):
                 x, a = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, x_tf32=True,
-                                  snake_out=self._scales[steps[i + 1][2]])
+                                  snake_out=self._scales[steps[i + 1][2]], valid=valid, rate=rate)
             else:
-                x = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, add=add, div=div, x_tf32=True)
+                x = self._conv(c2, y, n, shift=c2.causal_padding, residual=x, add=add, div=div, x_tf32=True,
+                               valid=valid, rate=rate)
         return x
 
-    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:
-        """mel [B, in, T] + source STFT [B, n_fft+2, up*T+1] -> conv_post output [B, n_fft+2, up*T+1]."""
+    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, in, T] + source STFT [B, n_fft+2, up*T+1] -> conv_post output [B, n_fft+2, up*T+1].
+
+        ``valid`` [B] (device, int64): the mel frames of each row whose outputs are wanted. The
+        convs then skip the products of time tiles past a row's valid frames and two more
+        (``conv1d``'s margin: the last stage's reflection pad and the spectrum's last frame, up *
+        valid, sit one position past them): padding rows and a short row's padded frames cost
+        only their epilogues. Outputs inside the valid frames are those of the full decode, bit
+        for bit: past ``conv_pre`` (which looks 4 frames right, inside the margin) every conv looks
+        only left, so no output before a skipped tile reads it, and rates only grow along the
+        stack (a stage's skip starts at ``rate`` times the frames where the last one's did)."""
         h = self.hift
         # right-causal conv_pre: zeros past the end
-        x = self._conv(h.conv_pre, mel.contiguous(), mel.shape[2], x_cl=False)
+        x = self._conv(h.conv_pre, mel.contiguous(), mel.shape[2], x_cl=False, valid=valid)
         s_stft = s_stft.contiguous()
+        rate = 1
         for i, up in enumerate(h.ups):
+            rate *= up.scale
             x = self._conv(up, x, x.shape[1] * up.scale, shift=up.causal_padding, up=up.scale,
-                           leaky=h.cfg.lrelu_slope)
+                           leaky=h.cfg.lrelu_slope, valid=valid, rate=rate)
             if i == h.num_upsamples - 1:  # F.pad(x, (1, 0), mode="reflect") along time
                 x = torch.cat([x[:, 1:2], x], dim=1)
             down = h.source_downs[i]
             _check_source(h, i, s_stft.shape[2], x.shape[1])
-            s = self._conv(down, s_stft, x.shape[1], shift=down.causal_padding, stride=down.stride[0], x_cl=False)
-            x = self._resblock(h.source_resblocks[i], s, add=x)
+            s = self._conv(down, s_stft, x.shape[1], shift=down.causal_padding, stride=down.stride[0], x_cl=False,
+                           valid=valid, rate=rate)
+            x = self._resblock(h.source_resblocks[i], s, valid, rate, add=x)
             blocks = h.resblocks[i * h.num_kernels:(i + 1) * h.num_kernels]
             xs = None
             for j, rb in enumerate(blocks):
                 last = j == len(blocks) - 1
-                xs = self._resblock(rb, x, add=xs, div=float(h.num_kernels) if last else None)
+                xs = self._resblock(rb, x, valid, rate, add=xs, div=float(h.num_kernels) if last else None)
             x = xs
         # conv_post after F.leaky_relu's default slope (0.01, not lrelu_slope: official)
-        return self._conv(h.conv_post, x, x.shape[1], shift=h.conv_post.causal_padding, leaky=0.01, y_cl=False)
+        return self._conv(h.conv_post, x, x.shape[1], shift=h.conv_post.causal_padding, leaky=0.01, y_cl=False,
+                          valid=valid, rate=rate)
 
 
 class CudnnChannelsLastDecode:
@@ -148,8 +162,9 @@ class CudnnChannelsLastDecode:
             x = self._bias_residual(y, c2.bias, x)
         return x
 
-    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:
-        """mel [B, in, T] + source STFT [B, n_fft+2, up*T+1] -> conv_post output [B, n_fft+2, up*T+1]."""
+    def decode_spec(self, mel: torch.Tensor, s_stft: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, in, T] + source STFT [B, n_fft+2, up*T+1] -> conv_post output [B, n_fft+2, up*T+1]
+        (``valid`` as ``TritonConvDecode``'s, unused: cuDNN computes every position)."""
         h = self.hift
         x = self._conv(h.conv_pre, F.pad(mel.transpose(1, 2), (0, 0, 0, h.conv_pre.causal_padding)))
         s = s_stft.transpose(1, 2)

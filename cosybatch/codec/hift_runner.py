@@ -362,14 +362,16 @@ class HiftRunner:
         return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
 
     def decode_padded(self, mel: torch.Tensor, s_stft: torch.Tensor, envelope: torch.Tensor,
-                      frame_mask: torch.Tensor) -> torch.Tensor:
+                      frame_mask: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The deterministic (graphable) part: padded mel [B, in, D] + source STFT
         [B, n_fft+2, up*D+1] -> waveform [B, spf*D], each row cut at its own frame count
         by ``frame_mask``/``envelope``. Decodes as ``finalize=True``; a streaming row's
         look-ahead is handled by the caller keeping only samples that do not depend on it.
+        ``valid`` [B] (device): each row's frames with an F0 value, past which the Triton
+        convs skip their products (``TritonConvDecode.decode_spec``); no kept sample lies there.
         """
         if self.convs is not None:
-            spec = self.convs.decode_spec(mel, s_stft)
+            spec = self.convs.decode_spec(mel, s_stft, valid)
         else:
             spec = self.hift.decode_spec(mel, s_stft, finalize=True, snake_pad=self.snake_pad)
         nb = self.cfg.n_fft // 2 + 1
@@ -394,7 +396,7 @@ class HiftRunner:
         rad = self.hift.m_source.frame_phase_increments(f0, rand_ini)
         cycles = continue_phase(rad, first, acc)
         source = self._source(f0, cycles, noise)
-        wav = self.decode_padded(mel, self._source_stft(source, valid * self.spf), envelope, frame_mask)
+        wav = self.decode_padded(mel, self._source_stft(source, valid * self.spf), envelope, frame_mask, valid)
         phase = cycles.gather(1, keep_at[:, None, None].expand(-1, 1, cycles.shape[2]))[:, 0]
         return wav, phase
 

@@ -56,12 +56,12 @@ def _snake(y, alpha_ptr, inv_ptr, co, cmask):
 # first run ~1 s). The channel counts stay specialised: a multiple of 16 lets the copies move 16
 # bytes at a time (compiled for sm_90: 36 vector copies per stage instead of 144 scalar ones,
 # 134 registers a thread instead of 255).
-@triton.jit(do_not_specialize=["T_in", "T_out", "shift", "K", "DIL", "STRIDE", "UP"])
+@triton.jit(do_not_specialize=["T_in", "T_out", "shift", "K", "DIL", "STRIDE", "UP", "rate", "margin"])
 def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_ptr, y2_ptr, alpha2_ptr, inv2_ptr,
-                   C_in, C_out, T_in, T_out, shift, K, DIL, STRIDE, UP, slope, div,
+                   valid_ptr, C_in, C_out, T_in, T_out, shift, K, DIL, STRIDE, UP, rate, margin, slope, div,
                    X_CL: tl.constexpr, Y_CL: tl.constexpr, LEAKY: tl.constexpr, SNAKE: tl.constexpr,
                    RES: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr, OUT2: tl.constexpr, TF32: tl.constexpr,
-                   ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr,
+                   ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr, VALID: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr):
     # A row's own offsets are 32-bit (the wrapper checks they fit), only its base 64-bit: tiles of
     # 64-bit offsets, one per pipeline stage, took twice the registers (ptxas, sm_90).
@@ -73,7 +73,10 @@ def _conv1d_kernel(x_ptr, w_ptr, b_ptr, y_ptr, alpha_ptr, inv_ptr, res_ptr, add_
     ci_r = tl.arange(0, BLOCK_CI)
     n_ci = tl.cdiv(C_in, BLOCK_CI)
     acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
-    for i in range(K * n_ci):  # one flat loop over (tap, input block), so its loads pipeline
+    n_iter = K * n_ci
+    if VALID:  # a tile wholly past its row's valid frames (and margin) skips the products
+        n_iter = tl.where(tl.program_id(0) * BLOCK_T < (tl.load(valid_ptr + b) + margin) * rate, n_iter, 0)
+    for i in range(n_iter):  # one flat loop over (tap, input block), so its loads pipeline
         k = i // n_ci
         ci = (i % n_ci) * BLOCK_CI + ci_r
         pos = t * STRIDE + k * DIL - shift  # in the (upsampled) input's frames
@@ -208,7 +211,8 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
            snake: tuple[torch.Tensor, torch.Tensor] | None = None, residual: torch.Tensor | None = None,
            add: torch.Tensor | None = None, div: float | None = None,
            snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, tf32: bool = False,
-           x_tf32: bool = False, round_out: bool = False):
+           x_tf32: bool = False, round_out: bool = False, valid: torch.Tensor | None = None, rate: int = 1,
+           margin: int = 2):
     """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
     for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
     time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
@@ -217,7 +221,10 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
     (``y_cl``) or [B, out, t_out], and (y, Snake(y) with ``snake_out``'s alphas) when
     ``snake_out`` is given. With ``tf32`` the input is rounded to TF32 as it is loaded unless
     ``x_tf32`` says it holds TF32 values already; ``round_out`` stores y rounded (an output only
-    TF32 convs read), and the second output always is."""
+    TF32 convs read), and the second output always is. ``valid`` [B] (a device tensor of mel
+    frames per row, with ``rate`` output positions per frame): time tiles that start at or past
+    (valid + ``margin``) * rate skip the products, their outputs then only the epilogue of zero
+    (finite, and read by nothing a valid output depends on, ``TritonConvDecode.decode_spec``)."""
     B = x.shape[0]
     c_in, t_in = (x.shape[2], x.shape[1]) if x_cl else (x.shape[1], x.shape[2])
     k, c_out, c_in_w = w.shape
@@ -237,11 +244,12 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
         a1, i1 = snake if snake is not None else (bias, bias)
         a2, i2 = snake_out if snake_out is not None else (bias, bias)
         _conv1d_kernel[grid](x, w, bias, y, a1, i1, y if residual is None else residual, y if add is None else add,
-                             y2, a2, i2, c_in, c_out, t_in, t_out, shift, k, dilation, stride, up,
-                             0.0 if leaky is None else float(leaky), float(div or 1.0),
+                             y2, a2, i2, bias if valid is None else valid, c_in, c_out, t_in, t_out, shift, k,
+                             dilation, stride, up, rate, margin, 0.0 if leaky is None else float(leaky),
+                             float(div or 1.0),
                              X_CL=x_cl, Y_CL=y_cl, LEAKY=leaky is not None, SNAKE=snake is not None,
                              RES=residual is not None, ADD=add is not None, DIV=div is not None,
                              OUT2=snake_out is not None, TF32=tf32, ROUND_X=tf32 and not x_tf32,
-                             ROUND_Y=tf32 and round_out, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco,
+                             ROUND_Y=tf32 and round_out, VALID=valid is not None, BLOCK_T=bt, BLOCK_CI=bci, BLOCK_CO=bco,
                              num_warps=warps, num_stages=stages)
     return (y, y2) if snake_out is not None else y
