@@ -87,8 +87,8 @@ class TritonConvDecode:
 
         ``valid`` [B] (device, int64): the mel frames of each row whose outputs are wanted. The
         convs then skip the products of time tiles past a row's valid frames and two more
-        (``conv1d``'s margin: the last stage's reflection pad and the spectrum's last frame, up *
-        valid, sit one position past them): padding rows and a short row's padded frames cost
+        (``triton_conv.VALID_MARGIN``: the last stage's reflection pad and the spectrum's last frame,
+        up * valid, sit one position past them): padding rows and a short row's padded frames cost
         only their epilogues. Outputs inside the valid frames are those of the full decode, bit
         for bit: past ``conv_pre`` (which looks 4 frames right, inside the margin) every conv looks
         only left, so no output before a skipped tile reads it, and rates only grow along the

@@ -153,6 +153,10 @@ def _bias_residual_kernel(y_ptr, bias_ptr, x_ptr, out_ptr, n, C, BLOCK: tl.const
 
 
 BLOCK = 1024
+# Frames past a row's valid ones whose outputs ``conv1d(valid=...)`` still computes: HiFT's last
+# stage prepends one position (its reflection pad) and the ISTFT reads the spectrum's frame
+# up * valid, both one position past the valid frames (TritonConvDecode.decode_spec).
+VALID_MARGIN = 2
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, pad: int = 0,
@@ -211,8 +215,7 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
            snake: tuple[torch.Tensor, torch.Tensor] | None = None, residual: torch.Tensor | None = None,
            add: torch.Tensor | None = None, div: float | None = None,
            snake_out: tuple[torch.Tensor, torch.Tensor] | None = None, tf32: bool = False,
-           x_tf32: bool = False, round_out: bool = False, valid: torch.Tensor | None = None, rate: int = 1,
-           margin: int = 2):
+           x_tf32: bool = False, round_out: bool = False, valid: torch.Tensor | None = None, rate: int = 1):
     """y[b, t, o] = bias[o] + sum over k, i of w[k, o, i] * act(x_up[b, t * stride + k * dilation - shift, i])
     for x [B, T_in, in] (``x_cl``) or [B, in, T_in] float32 (x_up: x repeated ``up`` times along
     time; outside it zeros; act: LeakyReLU with slope ``leaky``, or none), ``w`` from
@@ -223,7 +226,7 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
     ``x_tf32`` says it holds TF32 values already; ``round_out`` stores y rounded (an output only
     TF32 convs read), and the second output always is. ``valid`` [B] (a device tensor of mel
     frames per row, with ``rate`` output positions per frame): time tiles that start at or past
-    (valid + ``margin``) * rate skip the products, their outputs then only the epilogue of zero
+    (valid + ``VALID_MARGIN``) * rate skip the products, their outputs then only the epilogue of zero
     (finite, and read by nothing a valid output depends on, ``TritonConvDecode.decode_spec``)."""
     B = x.shape[0]
     c_in, t_in = (x.shape[2], x.shape[1]) if x_cl else (x.shape[1], x.shape[2])
@@ -245,7 +248,7 @@ def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, t_out: int, 
         a2, i2 = snake_out if snake_out is not None else (bias, bias)
         _conv1d_kernel[grid](x, w, bias, y, a1, i1, y if residual is None else residual, y if add is None else add,
                              y2, a2, i2, bias if valid is None else valid, c_in, c_out, t_in, t_out, shift, k,
-                             dilation, stride, up, rate, margin, 0.0 if leaky is None else float(leaky),
+                             dilation, stride, up, rate, VALID_MARGIN, 0.0 if leaky is None else float(leaky),
                              float(div or 1.0),
                              X_CL=x_cl, Y_CL=y_cl, LEAKY=leaky is not None, SNAKE=snake is not None,
                              RES=residual is not None, ADD=add is not None, DIV=div is not None,
