@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import select
 import signal
 import subprocess
@@ -186,3 +187,35 @@ class HelperProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HelperPool:
+    """``n`` helper processes for calls from several threads at once: a call takes a free one
+    (or waits for one), so ``n`` callers never queue behind each other's calls."""
+
+    def __init__(self, name: str, n: int, warm: tuple | None = None, local_until_warm: bool = False):
+        self.helpers = [HelperProcess(f"{name} {i + 1}/{n}", warm, local_until_warm) for i in range(n)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for h in self.helpers:
+            self._free.put(h)
+
+    @property
+    def alive(self) -> bool:
+        return any(h.alive for h in self.helpers)
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(h.fallbacks for h in self.helpers)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``HelperProcess.run`` on a free helper."""
+        h = self._free.get()
+        try:
+            return h.run(fn, *args)
+        finally:
+            self._free.put(h)
+
+    def close(self) -> None:
+        for h in self.helpers:
+            h.close()
+

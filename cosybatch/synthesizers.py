@@ -145,11 +145,18 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     # The three loads share nothing but the GPU's copy engine and the host (design.md D25):
     # the LM, flow and HiFT weights here, the frontend's models on one thread, the text
     # normalizer (what the first row would otherwise build; for wetext, the helper process that
-    # builds it and normalises the rows' texts) on another.
-    helpers = []  # the text normaliser's helper process, ended here if the start-up fails
+    # builds it and normalises the rows' texts) on another. The prompt-audio helpers (design.md
+    # D32) start first: their imports run on other CPUs while the rest loads.
+    helpers = {}  # helper processes, ended here if the start-up fails
+    if f.audio_processes:
+        from cosybatch.frontend.prompt_audio import warm_helper
+        from cosybatch.helper_process import HelperPool
+
+        helpers["audio"] = HelperPool("prompt audio", settings.frontend_workers, warm=(warm_helper,),
+                                      local_until_warm=True)
 
     def text_normalizer() -> None:
-        helpers.append(_text_normalizer(settings.text.normalizer))
+        helpers["text"] = _text_normalizer(settings.text.normalizer)
 
     try:
         with clock.parallel("loading (parallel)") as par:
@@ -159,11 +166,12 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
                 models = load_models(model_dir, device=str(device))
         frontend = fe.result()
     except BaseException:
-        for h in helpers:
+        for h in helpers.values():
             if h is not None:
                 h.close()
         raise
-    frontend.text_helper = helpers[0] if helpers else None
+    frontend.text_helper = helpers.get("text")
+    frontend.audio_helpers = helpers.get("audio")
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()

@@ -22,6 +22,7 @@
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2, synthset2=K1=V1+K2=V2 (two keys at once)
+#        promptaudio (bench_prompt_audio: prompt loading in threads vs helper processes, design.md D32)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
 #        hiftconvs (optimizations.hift_convs: the GPU test of its channels-last decodes, and profile_hift
 #        beside the NCL path), hiftconvbench (the decode stack alone: cuDNN NCL and channels-last, the
@@ -228,6 +229,8 @@ PY
       # one warning per synchronizing call, attributed to the Python line that made it
       grep "synchronizing CUDA operation" "$OUT/syncaudit.txt" | grep -o "[A-Za-z0-9_/.]*\.py:[0-9]*" | sed 's|.*/cosybatch/|cosybatch/|' \
         | sort | uniq -c | sort -rn | head -40 | tee "$OUT/syncaudit-sites.txt" ;;
+    promptaudio) setup; log "bench_prompt_audio: prompts/s of the frontend workers beside a busy GPU thread, threads vs helper processes"
+      timeout 200 python3 scripts/bench_prompt_audio.py --model $CKPT --manifest $WL/meta.lst 2>&1 | tee "$OUT/bench_prompt_audio.txt" | tail -9 ;;
     prefill) log "bench_prefill: prefill GPU time per token bucket under alternative fixed matmul tiles"
       timeout 300 python3 scripts/bench_prefill.py --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt" | tail -30 ;;
     enginetests) log "pytest -m gpu tests/test_engine_gpu.py"

@@ -106,6 +106,33 @@ def test_rejects_low_rate_long_and_short(frontend, tmp_path):
         frontend.prompt(tmp_path / "missing.wav")
 
 
+def test_prompt_audio_read_in_helper_processes_is_the_same(model_dir, fixtures_dir, tmp_path):
+    """``frontend.audio=process``: each prompt's audio is read, resampled and fbanked in a helper
+    process, with the same bits as in this process (16 and 24 kHz prompts), and a bad file is
+    refused with the same message (the call runs here again when the helper fails it)."""
+    from cosybatch.frontend.prompt_audio import warm_helper
+    from cosybatch.helper_process import HelperPool
+
+    here = Frontend(model_dir, ModelConfig(), cache_size=1, cache_bytes=1)
+    there = Frontend(model_dir, ModelConfig(), cache_size=1, cache_bytes=1)
+    there.audio_helpers = pool = HelperPool("prompt audio", 2, warm=(warm_helper,))
+    try:
+        for utt in ("utt1", "utt2", "utt5_paragraph"):
+            a, b = here.load(_wav(fixtures_dir, utt)), there.load(_wav(fixtures_dir, utt))
+            assert a.key == b.key
+            for name in ("wav16", "wav_mel", "fbank"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (utt, name)
+        assert pool.fallbacks == 0 and pool.alive
+        p8 = tmp_path / "p8k.wav"
+        sf.write(p8, np.zeros(8000, dtype=np.float32), 8000)
+        with pytest.raises(AudioError, match=f"{p8}: sample rate 8000 Hz is below"):
+            there.load(p8)
+        assert pool.fallbacks == 1  # the helper refused it, the call ran here and raised the same
+    finally:
+        there.close()
+    assert there.audio_helpers is None and not pool.alive
+
+
 def test_other_mel_config(model_dir, fixtures_dir):
     # Everything about the prompt mel comes from the config (rate, sizes, bins, ratio).
     mel = MelConfig(n_fft=1024, num_mels=64, sampling_rate=22050, hop_size=256, win_size=1024, fmax=8000.0)

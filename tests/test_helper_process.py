@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cosybatch.bench.workload import speechlike, target_texts
-from cosybatch.helper_process import HelperProcess
+from cosybatch.helper_process import HelperPool, HelperProcess
 from cosybatch.manifest import read_manifest
 from cosybatch.output.audio_files import AudioFormat
 from cosybatch.run.synth import run_synth
@@ -132,6 +132,33 @@ def test_a_closed_helper_runs_calls_here():
     h = HelperProcess("t")
     h.close()
     assert h.run(os.getpid) == os.getpid()
+
+
+def _pid_after(seconds):
+    import time
+
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_pool_runs_calls_from_several_threads_side_by_side():
+    """Two threads' calls go to two children at once (neither queues behind the other's), and a
+    closed pool runs them here."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = HelperPool("t", 2)
+    try:
+        assert pool.run(_pid_after, 0) != pool.run(_pid_after, 0)  # one after the other: each child imports this module
+        with ThreadPoolExecutor(2) as ex:
+            t0 = time.monotonic()
+            pids = list(ex.map(lambda s: pool.run(_pid_after, s), [1.0, 1.0]))
+            took = time.monotonic() - t0
+        assert len(set(pids)) == 2 and os.getpid() not in pids and pool.fallbacks == 0
+        assert took < 1.9, took  # side by side, not one after the other
+    finally:
+        pool.close()
+    assert not pool.alive and pool.run(os.getpid) == os.getpid()
 
 
 class _HelperSynth(FakeSynth):

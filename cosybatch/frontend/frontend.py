@@ -29,21 +29,16 @@ from typing import Sequence
 
 import torch
 
-from cosybatch.audio import AudioError, kaldi_fbank, load_audio, resample, to_mono
-from cosybatch.audio.features import WHISPER_N_FFT
+from cosybatch.audio import AudioError, load_audio
 from cosybatch.models.config import ModelConfig
 from cosybatch.frontend.cache import FORMAT, PromptCache, content_key, file_digest
+from cosybatch.frontend.prompt_audio import ONNX_SAMPLE_RATE, PromptAudio, arrays_to_tensors
 from cosybatch.frontend.torch_backend import RawFeatures
 from cosybatch.prompt import PromptFeatures
 from cosybatch.text.normalize import NORMALIZERS, TextNormalizer
 
 log = logging.getLogger("cosybatch.frontend.frontend")
 
-# Properties of the two ONNX models (not of the checkpoint's yaml): both were trained on 16 kHz
-# features, and the v3 tokenizer refuses prompts over 30 s.
-ONNX_SAMPLE_RATE = 16000
-MIN_SAMPLE_RATE = 16000
-MAX_TOKENIZER_SECONDS = 30.0
 BACKENDS = ("auto", "onnxruntime", "torch")
 _PATH_MEMO = 65536  # (path, size, mtime) -> content hash entries kept
 
@@ -147,6 +142,9 @@ class Frontend:
         # A HelperProcess running wetext outside this process (set by synth's fast engine, whose GPU
         # thread would otherwise wait on the GIL while a worker normalises); closed with the frontend.
         self.text_helper = None
+        # A HelperPool reading prompt audio outside this process (``frontend.audio``: set by the
+        # fast engine on CUDA, design.md D32); closed with the frontend.
+        self.audio_helpers = None
         self.cfg = cfg
         self._tokenizer = tokenizer
         if fbank not in ("cpu", "device"):
@@ -161,6 +159,8 @@ class Frontend:
         log.log(logging.INFO if expected else logging.WARNING, "frontend: %s (%s)", self._impl.describe(), reason)
         self.tokenizer_mels = self._impl.n_mels
         self.campplus_mels = self._impl.fbank_bins
+        self._audio = PromptAudio(cfg.sample_rate, cfg.mel.n_fft, cfg.mel.hop_size,
+                                  self.campplus_mels if self._fbank_in_load else 0)
         namespace = self._disk_namespace(dtype) if disk_cache is not None else "none"
         self._cache = PromptCache(cache_size, cache_bytes, disk_cache, namespace)
         self._inflight: dict[str, PendingFeatures] = {}  # key -> the launch computing it
@@ -242,6 +242,8 @@ class Frontend:
         hit = self._cache.get(key)
         if hit is not None:
             return LoadedPrompt(key, str(path), cached=hit)
+        if self.audio_helpers is not None:
+            return LoadedPrompt(key, str(path), *arrays_to_tensors(self.audio_helpers.run(self._audio.read, str(path))))
         wav, sr = load_audio(path)
         return self._prepare(wav, sr, key, str(path))
 
@@ -256,24 +258,7 @@ class Frontend:
         return self._prepare(wav, int(sample_rate), key, source)
 
     def _prepare(self, wav: torch.Tensor, sr: int, key: str, source: str) -> LoadedPrompt:
-        if sr < MIN_SAMPLE_RATE:
-            raise AudioError(f"{source}: sample rate {sr} Hz is below the supported minimum {MIN_SAMPLE_RATE} Hz")
-        wav = to_mono(wav)
-        wav16 = resample(wav, sr, ONNX_SAMPLE_RATE)
-        seconds = wav16.shape[1] / ONNX_SAMPLE_RATE
-        if seconds > MAX_TOKENIZER_SECONDS:
-            raise AudioError(
-                f"{source}: prompt is {seconds:.2f} s; the speech tokenizer supports at most {MAX_TOKENIZER_SECONDS:.0f} s"
-            )
-        wav_mel = resample(wav, sr, self.cfg.sample_rate)
-        # Reflect padding (whisper n_fft/2, matcha (n_fft-hop)/2) needs more samples than it pads.
-        mel_pad = (self.cfg.mel.n_fft - self.cfg.mel.hop_size) // 2
-        if wav16.shape[1] <= WHISPER_N_FFT or wav_mel.shape[1] <= max(mel_pad, self.cfg.mel.n_fft // 2):
-            raise AudioError(f"{source}: prompt is too short ({seconds * 1000:.0f} ms)")
-        fb = None
-        if self._fbank_in_load:
-            fb = kaldi_fbank(wav16, num_mel_bins=self.campplus_mels, sample_rate=ONNX_SAMPLE_RATE)
-        return LoadedPrompt(key, source, wav16.contiguous(), wav_mel.contiguous(), fb)
+        return LoadedPrompt(key, source, *self._audio.tensors(wav, sr, source))
 
     # ---- audio: device part -------------------------------------------------------------
     def features(self, prompts: Sequence[LoadedPrompt]) -> list[PromptFeatures]:
@@ -383,9 +368,10 @@ class Frontend:
         """Write the pending disk-cache entries and stop the writer (call at the end of a run;
         the in-memory cache stays usable; text is normalised in this process from then on)."""
         self._cache.close()
-        helper, self.text_helper = self.text_helper, None
-        if helper is not None:
-            helper.close()
+        for helper in (self.text_helper, self.audio_helpers):
+            if helper is not None:
+                helper.close()
+        self.text_helper = self.audio_helpers = None
 
 
 class _Done:

@@ -134,6 +134,10 @@ class FrontendProfile:
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
     # other shapes, which it does not cover.
     warmup: bool = True
+    # Where prompt audio is read, resampled and fbanked: "process" (one helper process per
+    # frontend worker), "thread" (in the workers), "auto" (process on CUDA, thread elsewhere).
+    # In threads its many short torch calls each wait for the GIL behind the GPU thread (design.md D32)
+    audio: Literal["auto", "process", "thread"] = "auto"
 
 
 @dataclass(frozen=True)

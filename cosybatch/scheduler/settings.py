@@ -38,6 +38,7 @@ class FrontendSettings:
     gather_s: float  # with fewer queued, how long gathered prompts wait for more before they launch
     row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
     warmup: bool  # every length bucket's shapes planned and captured at start-up
+    audio_processes: bool  # prompt audio read in helper processes, one per frontend worker
 
 
 @dataclass(frozen=True)
