@@ -219,6 +219,31 @@ def test_accounting_reports_the_host_time_spent_queueing_each_kind_of_slice():
     assert set(q) == {"frontend"} and 20 <= q["frontend"] < 60
 
 
+def test_accounting_splits_the_window_into_tenths(monkeypatch):
+    """Each slice's GPU time goes to the tenth it was queued in, the host's own time (its
+    iteration less the waits) to the tenth the iteration ended in, as shares of a tenth."""
+    import torch
+
+    from cosybatch.scheduler import accounting
+
+    now = [0.0]
+    monkeypatch.setattr(accounting.time, "perf_counter", lambda: now[0])
+    acct = accounting.Accounting(torch.device("cpu"))
+    for kind, start, end in (("frontend", 0.05, 0.15), ("flow_step", 0.95, 1.0)):
+        now[0] = start
+        t = acct.start(kind)
+        now[0] = end
+        acct.end(t)
+    now[0] = 0.50
+    with acct.waiting():
+        now[0] = 0.51
+    now[0] = 0.54
+    acct.iteration(40.0)
+    tenths = acct.summary(wall_s=1.0)["by_tenth"]
+    assert tenths["slices"] == {"flow_step": [0.0] * 9 + [0.5], "frontend": [1.0] + [0.0] * 9}
+    assert tenths["host_own"] == [0.0] * 5 + [0.3] + [0.0] * 4
+
+
 def test_budget_grows_while_few_rows_decode_when_asked():
     """``budget_max_ms``: an AR step serving a quarter of its capacity leaves the codec four
     times the budget, never more than the cap and never less than the base; off by default."""

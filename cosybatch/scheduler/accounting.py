@@ -24,12 +24,14 @@ class Accounting:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._free: list = []
-        self._open: deque = deque()  # (kind, start, end, on_done) in queue order
+        self._open: deque = deque()  # (kind, start, end, on_done, when queued) in queue order
         self.ms: dict[str, list[float]] = defaultdict(list)
         # host time spent queueing each slice: close to its GPU time means the GPU waited for the host
         self.queue_ms: dict[str, float] = defaultdict(float)
         self.host_ms: list[float] = []
         self.wait_ms: list[float] = []  # per iteration: host time blocked on the GPU
+        self.ends: list[float] = []  # per iteration: when it ended (host clock)
+        self.starts: dict[str, list[float]] = defaultdict(list)  # per slice of ``ms``: when it was queued
         self._waiting = 0.0
         self._t0 = time.perf_counter()
 
@@ -55,30 +57,32 @@ class Accounting:
         if self.cuda:
             ev = self._event()
             ev.record()
-            self._open.append((kind, start, ev, on_done))
+            self._open.append((kind, start, ev, on_done, t0))
             return
-        self._done(kind, (time.perf_counter() - start) * 1e3, on_done)
+        self._done(kind, (time.perf_counter() - start) * 1e3, on_done, t0)
 
     def cancel(self, token) -> None:
         """Drop a slice that queued no work."""
         if self.cuda:
             self._free.append(token[1])
 
-    def _done(self, kind: str, ms: float, on_done) -> None:
+    def _done(self, kind: str, ms: float, on_done, queued: float) -> None:
         self.ms[kind].append(ms)
+        self.starts[kind].append(queued)
         if on_done is not None:
             on_done(ms)
 
     def poll(self) -> None:
         """Read every finished slice (in queue order, so it stops at the first unfinished)."""
         while self._open and self._open[0][2].query():
-            kind, start, end, on_done = self._open.popleft()
-            self._done(kind, start.elapsed_time(end), on_done)
+            kind, start, end, on_done, queued = self._open.popleft()
+            self._done(kind, start.elapsed_time(end), on_done, queued)
             self._free += [start, end]
 
     @contextmanager
     def waiting(self):
-        """Bracket host code that blocks on the GPU (a sync, a device-to-host read): what is
+        """Bracket host code that blocks on the GPU (a sync, a device-to-host read) or on the
+        frontend's workers (nothing else to do): what is
         left of an iteration is the host's own work, which tells a host-bound run from a
         GPU-bound one (slice times include any gap the GPU spent waiting for the host)."""
         t0 = time.perf_counter()
@@ -90,13 +94,16 @@ class Accounting:
     def reset(self) -> None:
         """Start a new window (slices still open are counted in it)."""
         self.ms.clear()
+        self.starts.clear()
         self.queue_ms.clear()
         self.host_ms.clear()
         self.wait_ms.clear()
+        self.ends.clear()
         self._t0 = time.perf_counter()
 
     def iteration(self, host_ms: float) -> None:
         self.host_ms.append(host_ms)
+        self.ends.append(time.perf_counter())
         self.wait_ms.append(self._waiting * 1e3)
         self._waiting = 0.0
 
@@ -128,4 +135,24 @@ class Accounting:
             own = h - w
             out["host_busy_ms_per_iteration"] = {"p50": round(float(np.median(own)), 4), "mean": round(float(own.mean()), 4)}
             out["host_wait_share"] = round(float(w.sum() / h.sum()), 4) if h.sum() > 0 else None
+        if wall > 0:
+            out["by_tenth"] = self._by_tenth(wall)
         return out
+
+    def _by_tenth(self, wall: float) -> dict:
+        """The window in ten equal parts: each slice kind's GPU milliseconds (by when it was
+        queued) and the host's own milliseconds (its iterations less their waits for the GPU),
+        as shares of a part. Where a run's ramp or drain goes, beside NVML's kernel-active share
+        by tenth: a part with little GPU work and a busy host was host-bound, one with little
+        of either had nothing to do."""
+        edges = self._t0 + wall * np.arange(1, 10) / 10
+        part_ms = wall * 100.0  # a tenth, in ms
+
+        def shares(times, values) -> list[float]:
+            idx = np.searchsorted(edges, np.asarray(times, dtype=float), side="right")
+            per = np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]
+            return [round(float(v / part_ms), 3) for v in per]
+
+        own = np.array(self.host_ms) - np.array(self.wait_ms)
+        return {"slices": {k: shares(self.starts[k], v) for k, v in sorted(self.ms.items()) if v},
+                "host_own": shares(self.ends, own) if self.ends else None}

@@ -554,7 +554,8 @@ class FastPipeline:
             with self.acct.waiting():
                 self._take_audio(wait=True)
             return
-        self.prompts.idle()
+        with self.acct.waiting():  # for the frontend's workers: not the host's own work either
+            self.prompts.idle()
 
 
 # A finished row's life in stages, each between two of its host times: what first PCM (the first
