@@ -405,10 +405,11 @@ def test_frontend_device_and_precision():
     assert err("default", ["frontend.batch=0"]) == "--set frontend.batch=0: frontend.batch: must be >= 1, got 0"
     assert f.row_bucket == 16 and resolve(load_profile("default", ["frontend.row_bucket=8"]), cfg, cpu).frontend.row_bucket == 8
     assert err("default", ["frontend.row_bucket=0"]) == "--set frontend.row_bucket=0: frontend.row_bucket: must be >= 1, got 0"
-    # prompt audio in helper processes: on CUDA by default, asked for anywhere, or kept in threads
-    assert f.audio_processes is True and resolve(load_profile("default"), cfg, cpu).frontend.audio_processes is False
+    # prompt audio in the workers' threads unless helper processes are asked for
+    assert f.audio_processes is False
     assert resolve(load_profile("default", ["frontend.audio=process"]), cfg, cpu).frontend.audio_processes is True
-    assert resolve(load_profile("default", ["frontend.audio=thread"]), cfg, torch.device("cuda")).frontend.audio_processes is False
+    assert err("default", ["frontend.audio=auto"]) == ("--set frontend.audio=auto: frontend.audio: "
+                                                       "expected one of 'thread', 'process', got str 'auto'")
     codec = lambda *kv: resolve(load_profile("default", list(kv)), cfg, cpu).codec  # noqa: E731
     cuda_codec = lambda *kv: resolve(load_profile("default", list(kv)), cfg, torch.device("cuda")).codec  # noqa: E731
     assert cuda_codec().hift_frame_bucket == 128 and cuda_codec("optimizations.hift_frame_bucket=32").hift_frame_bucket == 32

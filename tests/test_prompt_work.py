@@ -3,6 +3,7 @@ rows queued, cached prompts pass at once, and an idle pipeline launches what it 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,8 +31,11 @@ class _Row:
 class _Frontend:
     def __init__(self, cached: set[str]):
         self.cached, self.launches = cached, []
+        self.gates: dict[str, threading.Event] = {}  # prompts whose loading waits for their event
 
     def load(self, path):
+        if path in self.gates:
+            self.gates[path].wait(10)
         return _Loaded(path, "features" if path in self.cached else None)
 
     def prepare(self, prompt_text, target_text):
@@ -59,7 +63,7 @@ def _add(work, names):
     for n in names:
         work.add(SynthRequest(n, _Row(n, n)))
     deadline = time.monotonic() + 10
-    while any(not f.done() for _, f in work.preparing.values()) and time.monotonic() < deadline:
+    while any(not work.preparing[n][1].done() for n in names if n in work.preparing) and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
@@ -98,17 +102,23 @@ def test_a_short_engine_queue_or_an_idle_pipeline_launches_what_has_gathered():
 
 
 def test_with_a_gather_time_a_short_queue_waits_for_the_oldest_prompt_s_time():
-    """``frontend.gather_ms``: with fewer than a batch queued, gathered prompts launch together
-    once the oldest has waited that long (not one launch each as they load); a full batch, a
-    cached prompt or an idle pipeline still go at once."""
+    """``frontend.gather_ms``: with fewer than a batch queued and prompts still loading,
+    gathered prompts launch together once the oldest has waited that long (not one launch
+    each as they load), even while the pipeline is idle (a bulk run's ramp); a full batch, a
+    cached prompt, or the last prompts (none still loading) go at once."""
     fe, work = _work(cached={"c"}, gather_s=0.2)
+    gate = fe.gates["z"] = threading.Event()
     try:
+        work.add(SynthRequest("z", _Row("z", "z")))  # loading until the gate opens
         _add(work, ["a"])
         t0 = time.perf_counter()
         assert work.take(backlog=0)[0] == [] and fe.launches == []  # the engine could use it, yet it waits
         _add(work, ["b", "c"])
         ready, _, _ = work.take(backlog=0)
         assert _ids(ready) == ["c"] and fe.launches == [["c"]]  # the cached one passes
+        assert work.take(wait=True, backlog=0)[0] == []  # idle, yet "z" is on its way: gather on
+        work.idle()
+        assert fe.launches == [["c"]]
         while time.perf_counter() - t0 < 0.2:
             assert work.take(backlog=0)[0] == [] or time.perf_counter() - t0 >= 0.2
             time.sleep(0.01)
@@ -117,10 +127,12 @@ def test_with_a_gather_time_a_short_queue_waits_for_the_oldest_prompt_s_time():
         _add(work, ["d", "e", "f", "g"])
         assert _ids(work.take(backlog=0)[0]) == ["d", "e", "f", "g"]  # a full batch goes at once
         _add(work, ["h"])
-        assert _ids(work.take(wait=True, backlog=0)[0]) == ["h"]  # an idle pipeline launches it
-        _add(work, ["i"])
         assert work.take(backlog=0)[0] == []
-        work.idle()  # the pipeline had nothing else to do: it launches, not waits
-        assert fe.launches[-1] == ["i"] and _ids(work.take(backlog=0)[0]) == ["i"]
+        gate.set()
+        while not work.preparing["z"][1].done():
+            time.sleep(0.001)
+        # nothing more loading: the last prompts go at once, on a take as when idle
+        assert _ids(work.take(backlog=0)[0]) == ["h", "z"] and fe.launches[-1] == ["h", "z"]
     finally:
+        gate.set()
         work.close()

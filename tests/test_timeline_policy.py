@@ -270,6 +270,9 @@ def test_prompts_launch_in_full_batches_while_the_engine_has_rows_queued():
     assert launch_prompts(5, 0, batch=64, waited_s=0.5, gather_s=0.5)
     assert launch_prompts(64, 0, batch=64, waited_s=0.0, gather_s=0.5)
     assert not launch_prompts(5, 64, batch=64, waited_s=9.0, gather_s=0.5)  # a full batch queued: gather on
+    # no prompt still loading: nothing to gather for, unless the engine has a full batch queued
+    assert launch_prompts(5, 0, batch=64, waited_s=0.1, gather_s=0.5, more_coming=False)
+    assert not launch_prompts(5, 64, batch=64, waited_s=0.1, gather_s=0.5, more_coming=False)
 
 
 def test_a_slice_closed_as_another_kind_is_counted_there_without_its_learner():

@@ -33,9 +33,8 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
         raise ProfileError(f"frontend.device=cuda needs a CUDA device, the run uses {device.type}")
     backend = {"auto": "auto", "cuda": "torch", "cpu": "onnxruntime"}[f.device]
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
-    processes = f.audio == "process" or (f.audio == "auto" and device.type == "cuda")
     return FrontendSettings(backend, dtype, f.precision == "3xtf32", f.batch, f.gather_ms / 1e3, f.row_bucket,
-                            f.warmup, processes)
+                            f.warmup, f.audio == "process")
 
 
 def resolve_text(t: TextProfile) -> TextSettings:

@@ -120,10 +120,11 @@ class FrontendProfile:
     # GPU frontend: prompts gathered into one launch while the AR engine has at least that
     # many rows queued (with fewer, what has loaded launches at once: those rows are needed)
     batch: int = 64
-    # GPU frontend: with fewer than ``batch`` rows queued, gathered prompts still wait until the
-    # oldest has waited this long (0: they launch at once, what latency wants). In bulk runs the
-    # engine's queue is short because the run's window, not the engine, limits it, and launches
-    # of a few prompts each pay the whole launch's host time and, with ``row_bucket``, its padding
+    # GPU frontend: with fewer than ``batch`` rows queued and prompts still loading, gathered
+    # prompts still wait until the oldest has waited this long, even while the GPU has nothing
+    # else to do (0: they launch at once, what latency wants). In bulk runs the engine's queue is
+    # short because the run's window, not the engine, limits it, and launches of a few prompts
+    # each pay the whole launch's host time (~12 ms) and, with ``row_bucket``, its padding
     gather_ms: float = 0.0
     # GPU frontend: a launch's rows are padded to a multiple of this (copies, dropped), so its
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
@@ -134,10 +135,10 @@ class FrontendProfile:
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
     # other shapes, which it does not cover.
     warmup: bool = True
-    # Where prompt audio is read, resampled and fbanked: "process" (one helper process per
-    # frontend worker), "thread" (in the workers), "auto" (process on CUDA, thread elsewhere).
-    # In threads its many short torch calls each wait for the GIL behind the GPU thread (design.md D32)
-    audio: Literal["auto", "process", "thread"] = "auto"
+    # Where prompt audio is read, resampled and fbanked: "thread" (in the frontend workers) or
+    # "process" (one helper process per worker: its many short torch calls then never wait for
+    # the GIL behind the GPU thread; no end-to-end gain measured yet, design.md D32)
+    audio: Literal["thread", "process"] = "thread"
 
 
 @dataclass(frozen=True)

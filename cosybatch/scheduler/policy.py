@@ -139,7 +139,8 @@ def iteration_budget(lim: Limits, ar_rows: int) -> float:
     return min(max(lim.budget_max_ms, lim.budget_ms), lim.budget_ms * max(1.0, lim.ar_capacity / ar_rows))
 
 
-def launch_prompts(gathered: int, backlog: int, batch: int, waited_s: float = 0.0, gather_s: float = 0.0) -> bool:
+def launch_prompts(gathered: int, backlog: int, batch: int, waited_s: float = 0.0, gather_s: float = 0.0,
+                   more_coming: bool = True) -> bool:
     """Whether the GPU frontend launches the ``gathered`` prompts now (design.md D15).
 
     A launch has a fixed cost (its kernels are launched one by one, ~1,500 of them), so a
@@ -150,8 +151,12 @@ def launch_prompts(gathered: int, backlog: int, batch: int, waited_s: float = 0.
     gathered prompt has waited ``gather_s`` (``waited_s``). Under a fixed concurrency below the
     engine's capacity the backlog is empty and, with ``gather_s`` 0, every prompt launches at
     once; in bulk runs a run's window of rows, not the engine, can keep the backlog short, and
-    ``gather_s`` then trades a row's wait for fewer, fuller launches."""
-    return gathered > 0 and (gathered >= batch or (backlog < batch and waited_s >= gather_s))
+    ``gather_s`` then trades a row's wait for fewer, fuller launches. It holds even while
+    the GPU has nothing else to do (a bulk run's ramp): a launch costs the host the same
+    whatever its size, so launches of the few prompts that load while the last one was being
+    queued keep the ramp host-bound. With no prompt still loading (``more_coming`` false)
+    there is nothing to gather for."""
+    return gathered > 0 and (gathered >= batch or (backlog < batch and (waited_s >= gather_s or not more_coming)))
 
 
 def _key(lim: Limits, now: float):

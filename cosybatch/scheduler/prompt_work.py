@@ -63,7 +63,8 @@ class PromptWork:
         """(rows ready to start as (request, PromptFeatures, TextInputs), rows that failed as
         (request id, error), whether anything moved). ``backlog``: rows the AR engine has
         queued (admitted, not running). ``wait`` (the pipeline is idle): launch what has
-        gathered, and wait for the oldest launched batch rather than poll it."""
+        gathered (with a gather time, as ``launch_prompts`` says), and wait for the oldest
+        launched batch rather than poll it."""
         done = [rid for rid, (_, f) in self.preparing.items() if f.done()]
         ready, failed = [], []
         for rid in done:
@@ -79,8 +80,7 @@ class PromptWork:
             self._gathered_since = now
         self._gathered += ready
         on_the_way = sum(len(rows) for rows, _ in self._launched)
-        if self._gathered and (wait or launch_prompts(len(self._gathered), backlog + on_the_way, self.batch,
-                                                      now - self._gathered_since, self.gather_s)):
+        if self._gathered and ((wait and not self.gather_s) or self._launch_now(backlog + on_the_way, now)):
             self._launch(self._gathered)
             self._gathered = []
         else:
@@ -94,10 +94,15 @@ class PromptWork:
             wait = False  # only the oldest is waited for
         return ready, failed, bool(done) or bool(ready)
 
+    def _launch_now(self, backlog: int, now: float) -> bool:
+        return launch_prompts(len(self._gathered), backlog, self.batch, now - self._gathered_since, self.gather_s,
+                              more_coming=bool(self.preparing))
+
     def idle(self) -> None:
-        """Nothing else to do: launch what has gathered (there is nothing to gather for while
-        the GPU would wait), else wait briefly for a worker."""
-        if self._gathered:
+        """Nothing else to do: launch what has gathered (without a gather time there is nothing
+        to gather for while the GPU would wait; with one, as ``launch_prompts`` says), else wait
+        briefly for a worker."""
+        if self._gathered and (not self.gather_s or self._launch_now(0, time.perf_counter())):
             self._launch(self._gathered)
             self._gathered = []
             return
