@@ -21,7 +21,7 @@
 #        the mapped ONNX files; carry .fixtures for the fixture ones)
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
-#        c32set2=K1=V1+K2=V2, c64set2=K1=V1+K2=V2, c64seedset2=K1=V1+K2=V2, synthset2=K1=V1+K2=V2 (two keys at once)
+#        c64seedset=KEY=VALUE; every *set= step takes several keys joined by "+": K1=V1+K2=V2
 #        promptaudio (bench_prompt_audio: prompt loading in threads vs helper processes, design.md D32)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
 #        hiftconvs (optimizations.hift_convs: the GPU test of its channels-last decodes, and profile_hift
@@ -81,6 +81,9 @@ print("busy", tl.get("busy_share"), "idle", tl.get("gpu_idle_share"), "host", tl
 print("start-up", t.get("startup"))
 PY
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
+}
+set_args() {  # "K1=V1+K2=V2+..." -> SETS=(--set K1=V1 --set K2=V2 ...)
+  local kvs kv; SETS=(); IFS='+' read -ra kvs <<< "$1"; for kv in "${kvs[@]}"; do SETS+=(--set "$kv"); done
 }
 for step in "$@"; do
   case $step in
@@ -146,13 +149,10 @@ for step in "$@"; do
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
     c32warm) setup; prof c32warm packed_streaming_optimized_standard 32 1088 64 --warm-prompts ;;
-    c32set=*) setup; kv=${step#c32set=}; prof "c32-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --set "$kv" ;;
-    c32warmset=*) setup; kv=${step#c32warmset=}; prof "c32warm-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --warm-prompts --set "$kv" ;;
-    c64set=*) setup; kv=${step#c64set=}; prof "c64-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_c64 64 1088 64 --set "$kv" ;;
-    c32set2=*|c64set2=*|c64seedset2=*) setup; kvs=${step#*=}; c=${step%%set2=*}
-      p=packed_streaming_optimized_standard; [ "$c" = c64 ] && p=packed_streaming_c64
-      n=${c#c}; n=${n%seed}
-      prof "$c-${kvs//[^A-Za-z0-9_.-]/_}" $p $n 1088 64 --set "${kvs%%+*}" --set "${kvs#*+}" ;;
+    c32set=*) setup; kv=${step#c32set=}; set_args "$kv"; prof "c32-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 "${SETS[@]}" ;;
+    c32warmset=*) setup; kv=${step#c32warmset=}; set_args "$kv"; prof "c32warm-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 32 1088 64 --warm-prompts "${SETS[@]}" ;;
+    c64set=*) setup; kv=${step#c64set=}; set_args "$kv"; prof "c64-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_c64 64 1088 64 "${SETS[@]}" ;;
+    c64seedset=*) setup; kv=${step#c64seedset=}; set_args "$kv"; prof "c64seed-${kv//[^A-Za-z0-9_.-]/_}" packed_streaming_optimized_standard 64 1088 64 "${SETS[@]}" ;;
     timeline) setup; log "D22: serial vs deadline batching vs deadline batching + AR beside, C64 and C32"
       for c in c64 c32; do p=packed_streaming_optimized_standard; [ $c = c64 ] && p=packed_streaming_c64
         prof "$c-serial" $p ${c#c} 1088 64 --set codec.deadline_lead_ms=null --set scheduler.ar_stream=serial
@@ -180,9 +180,7 @@ for step in "$@"; do
     full) setup; prof full256 default 256 1088 64 ;;
     synth) setup; synth_run synth ;;
     synthwarm) setup; head -n 128 $WL/meta.lst > $WL/m128.lst; synth_run synthwarm $WL/m128.lst ;;  # Triton's JIT cache
-    synthset=*) setup; kv=${step#synthset=}; synth_run "synth-${kv//[^A-Za-z0-9_.-]/_}" $WL/meta.lst --set "$kv" ;;
-    synthset2=*) setup; kvs=${step#synthset2=}
-      synth_run "synth-${kvs//[^A-Za-z0-9_.-]/_}" $WL/meta.lst --set "${kvs%%+*}" --set "${kvs#*+}" ;;
+    synthset=*) setup; kv=${step#synthset=}; set_args "$kv"; synth_run "synth-${kv//[^A-Za-z0-9_.-]/_}" $WL/meta.lst "${SETS[@]}" ;;
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
