@@ -78,6 +78,14 @@ synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (t
 import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
 print({k: t.get(k) for k in ("ok", "failed", "wall_s", "audio_s", "audio_s_per_s")})
 print("busy", tl.get("busy_share"), "idle", tl.get("gpu_idle_share"), "host", tl.get("host_busy_ms_per_iteration"))
+print("GPU-ms per audio-s", tl.get("gpu_budget"))
+# the window by tenth: where a ramp or a drain goes (design.md D15)
+bt, sl = tl.get("by_tenth") or {}, (tl.get("by_tenth") or {}).get("slices", {})
+rows = {"kernel-active": (tl.get("gpu_kernel") or {}).get("by_tenth"), "host own": bt.get("host_own"),
+        **{k: sl.get(k) for k in ("frontend", "ar_prefill", "ar_decode", "flow_step", "hift")}}
+for name, v in rows.items():
+    if v:
+        print(f"  {name:14s}", " ".join(f"{x:4.2f}" for x in v))
 print("start-up", t.get("startup"))
 PY
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
