@@ -218,4 +218,3 @@ class HelperPool:
     def close(self) -> None:
         for h in self.helpers:
             h.close()
-

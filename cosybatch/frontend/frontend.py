@@ -142,8 +142,8 @@ class Frontend:
         # A HelperProcess running wetext outside this process (set by synth's fast engine, whose GPU
         # thread would otherwise wait on the GIL while a worker normalises); closed with the frontend.
         self.text_helper = None
-        # A HelperPool reading prompt audio outside this process (``frontend.audio``: set by the
-        # fast engine on CUDA, design.md D32); closed with the frontend.
+        # A HelperPool reading prompt audio outside this process (set by the fast engine under
+        # ``frontend.audio=process``, design.md D32); closed with the frontend.
         self.audio_helpers = None
         self.cfg = cfg
         self._tokenizer = tokenizer

@@ -2,11 +2,11 @@
 and to the mel rate, and the Kaldi fbank (CAM++ input) with the reference arithmetic.
 
 It is a few dozen small torch calls, each of which gives up the GIL and takes it back. In a
-thread beside ``synth``'s GPU thread -- a thread that rarely waits -- each taking back waits
-up to the interpreter's switch interval (5 ms): ~5 ms of work took 17 ms a prompt inside
-``synth`` and 340 ms beside a thread spinning in Python (design.md D32). So ``PromptAudio`` is a
-small picklable object: ``read(path)`` runs as well in a helper process (``HelperPool``), which
-returns numpy arrays, as here, with the same arithmetic and so the same bits.
+thread beside a thread that keeps the GIL busy, each taking back waits for it, up to the
+interpreter's switch interval (5 ms): ~5 ms of work took 340 ms beside a thread spinning in
+Python (design.md D32). So ``PromptAudio`` is a small picklable object: ``read(path)`` runs as
+well in a helper process (``HelperPool``, ``frontend.audio=process``), which returns numpy
+arrays, as here, with the same arithmetic and so the same bits.
 """
 
 from __future__ import annotations

@@ -554,8 +554,7 @@ class FastPipeline:
             with self.acct.waiting():
                 self._take_audio(wait=True)
             return
-        with self.acct.waiting():  # for the frontend's workers: not the host's own work either
-            self.prompts.idle()
+        self.prompts.idle()
 
 
 # A finished row's life in stages, each between two of its host times: what first PCM (the first

@@ -108,7 +108,8 @@ class PromptWork:
             return
         with self._wake:
             if not self._closed and not any(f.done() for _, f in self.preparing.values()):
-                self._wake.wait(timeout=0.005)
+                with self.acct.waiting():  # for the workers: not the host's own work
+                    self._wake.wait(timeout=0.005)
 
     def warm(self, wav_paths) -> int:
         """Compute and cache the features of these prompts now, in batches (``profile
