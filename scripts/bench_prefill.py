@@ -5,7 +5,8 @@ sizes continuous batching produces (a few prompts, 300-1,300 tokens) a 128x128 t
 of the GPU's SMs idle on the narrow projections (q/k/v 1,152 wide, o and down 896 wide). This
 times each tile set on the prefill graphs the engine replays (CUDA events around replays of the
 captured bucket, so only GPU time counts), checks that its logits equal the shipped tiles', and
-profiles the kernels of one bucket:
+profiles the kernels of one bucket. The BK-128 variants ask whether prefill can run on the decode
+phase's reduction order (what a prefill riding along a decode step needs), and at what cost:
 
     python scripts/bench_prefill.py [--tokens 256,640,1280,2560] [--json out.json]
 """
@@ -37,7 +38,14 @@ VARIANTS = {
     "64x64": (64, 64, 64, 4, 4),
     "narrow N 64x64, wide 128x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (128, 128, 64, 8, 3),
     "narrow N 64x64, wide 64x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (64, 128, 64, 4, 3),
+    # One BK for both phases (a prefill riding along a decode step must give a decode token the
+    # bits it gets alone): the decode phase's own tiles, and BK 128 under wider tiles. The
+    # "vs decode tiles" difference says whether BM and BN alone move a row's bits.
+    "decode's tiles (BK 128)": lambda n, k: SHIPPED("decode", n, k),
+    "128x128, BK 128": (128, 128, 128, 8, 2),
+    "64x128, BK 128": (64, 128, 128, 4, 3),
 }
+DECODE_TILES = "decode's tiles (BK 128)"
 
 
 def tiles_for(variant):
@@ -105,7 +113,7 @@ def main() -> None:
     runner = eng.runner
     ex, scratch = runner.executor, runner.num_rows
     vocab = cfg.qwen.vocab_size
-    results, ref = {}, {}
+    results, ref, ref_decode = {}, {}, {}
     for name, variant in VARIANTS.items():
         K.matmul_tiles = tiles_for(variant)
         try:
@@ -118,8 +126,14 @@ def main() -> None:
                 real = torch.isfinite(ref[t])  # the padded vocabulary's columns are -inf
                 diff = (out[real] - ref[t][real]).abs().max().item() if torch.equal(real, torch.isfinite(out)) else float("inf")
                 row[t] = {"ms": ms, "tokens_per_s": t / ms * 1e3, "max_abs_vs_shipped": diff}
+                if name == DECODE_TILES:
+                    ref_decode[t] = out
+                if t in ref_decode and torch.equal(torch.isfinite(ref_decode[t]), torch.isfinite(out)):
+                    row[t]["max_abs_vs_decode_tiles"] = (out[real] - ref_decode[t][real]).abs().max().item()
             results[name] = row
-            print(f"{name:32s} " + " ".join(f"{t}: {row[t]['ms']:6.3f} ms (diff {row[t]['max_abs_vs_shipped']:.1e})"
+            print(f"{name:32s} " + " ".join(f"{t}: {row[t]['ms']:6.3f} ms (diff {row[t]['max_abs_vs_shipped']:.1e}"
+                                            + (f", vs decode tiles {row[t]['max_abs_vs_decode_tiles']:.1e}"
+                                               if "max_abs_vs_decode_tiles" in row[t] else "") + ")"
                                             for t in tokens), flush=True)
             if variant is None or name == "narrow N 64x64, wide 128x128":
                 print("\n".join(kernel_table(ex, *inputs(tokens[1], scratch, vocab, a.seqs))), flush=True)
@@ -128,13 +142,15 @@ def main() -> None:
             results[name] = {"error": str(e)}
         finally:
             K.matmul_tiles = SHIPPED
-    print("\n| tiles | " + " | ".join(f"{t} tok ms" for t in tokens) + " |")
-    print("|---|" + "---|" * len(tokens))
+    print("\n| tiles | " + " | ".join(f"{t} tok ms" for t in tokens) + " | logits equal to decode tiles' |")
+    print("|---|" + "---|" * (len(tokens) + 1))
     for name, row in results.items():
         if "error" in row:
             print(f"| {name} | failed |")
             continue
-        print(f"| {name} | " + " | ".join(f"{row[t]['ms']:.3f}" for t in tokens) + " |")
+        same = [row[t].get("max_abs_vs_decode_tiles") for t in tokens]
+        eq = "-" if any(d is None for d in same) else ("yes" if all(d == 0 for d in same) else f"no ({max(same):.1e})")
+        print(f"| {name} | " + " | ".join(f"{row[t]['ms']:.3f}" for t in tokens) + f" | {eq} |")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
