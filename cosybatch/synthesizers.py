@@ -152,8 +152,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
         from cosybatch.frontend.prompt_audio import warm_helper
         from cosybatch.helper_process import HelperPool
 
-        helpers["audio"] = HelperPool("prompt audio", settings.frontend_workers, warm=(warm_helper,),
-                                      local_until_warm=True)
+        helpers["audio"] = HelperPool("prompt audio", settings.frontend_workers,
+                                      warm=(warm_helper, torch.get_num_threads()), local_until_warm=True)
 
     def text_normalizer() -> None:
         helpers["text"] = _text_normalizer(settings.text.normalizer)

@@ -67,7 +67,7 @@ def main() -> int:
     rows = [line.rstrip("\n").split("|") for line in a.manifest.read_text().splitlines() if line.strip()]
     paths = list(dict.fromkeys(str(a.manifest.parent / r[2]) for r in rows))[: a.prompts]
     fe = Frontend(a.model, load_config(a.model), backend="onnxruntime", warmup=False, text_normalizer="none")
-    pool = HelperPool("prompt audio", a.workers, warm=(warm_helper,))
+    pool = HelperPool("prompt audio", a.workers, warm=(warm_helper, torch.get_num_threads()))
     results = []
     for where in ("thread", "process"):
         fe.audio_helpers = pool if where == "process" else None

@@ -115,7 +115,7 @@ def test_prompt_audio_read_in_helper_processes_is_the_same(model_dir, fixtures_d
 
     here = Frontend(model_dir, ModelConfig(), cache_size=1, cache_bytes=1)
     there = Frontend(model_dir, ModelConfig(), cache_size=1, cache_bytes=1)
-    there.audio_helpers = pool = HelperPool("prompt audio", 2, warm=(warm_helper,))
+    there.audio_helpers = pool = HelperPool("prompt audio", 2, warm=(warm_helper, torch.get_num_threads()))
     try:
         for utt in ("utt1", "utt2", "utt5_paragraph"):
             a, b = here.load(_wav(fixtures_dir, utt)), there.load(_wav(fixtures_dir, utt))

@@ -129,6 +129,38 @@ def test_frontend_warm_up_runs_only_where_the_profile_asks_and_start_up_is_timed
     assert not helper.alive and pipe.frontend.text_helper is None  # the pipeline ends it
 
 
+def test_prompt_audio_in_helper_processes_is_one_per_worker_and_ends_with_the_pipeline(model_dir, fixtures_dir):
+    """``frontend.audio=process``: the start-up starts one helper process per frontend worker,
+    a prompt loads through them with the bits it has here, and the pipeline ends them."""
+    import os
+    import time
+
+    import torch
+
+    from cosybatch.synthesizers import _fast_pipeline
+    from cosybatch.profiles import load_profile
+
+    pipe = _fast_pipeline(model_dir, torch.device("cpu"), load_profile("default", ["frontend.audio=process"]))
+    pool = pipe.frontend.audio_helpers
+    try:
+        assert pool is not None and pool.alive and len(pool.helpers) == pipe.settings.frontend_workers
+        for h in pool.helpers:  # calls made before a helper's warm-up answers run here: wait for it
+            t_end = time.monotonic() + 60
+            while h.run(os.getpid) == os.getpid() and time.monotonic() < t_end:
+                time.sleep(0.05)
+        wav = fixtures_dir / "prompts" / "p2_24k.wav"
+        there = pipe.frontend.load(wav)
+        assert pool.fallbacks == 0
+        pipe.frontend.audio_helpers = None
+        pipe.frontend.clear_cache()
+        here = pipe.frontend.load(wav)
+        pipe.frontend.audio_helpers = pool
+        assert all(torch.equal(getattr(here, k), getattr(there, k)) for k in ("wav16", "wav_mel", "fbank"))
+    finally:
+        pipe.close()
+    assert not pool.alive and pipe.frontend.audio_helpers is None
+
+
 def test_what_is_built_ahead_of_the_rows_does_not_fail_the_start_up(model_dir, monkeypatch):
     """The text normaliser is built during start-up for the first row's sake; if that fails,
     the start-up does not (the rows build it again and report why, as before)."""

@@ -63,10 +63,11 @@ def arrays_to_tensors(arrays) -> tuple:
     return tuple(None if a is None else torch.from_numpy(a) for a in arrays)
 
 
-def warm_helper() -> None:
+def warm_helper(threads: int) -> None:
     """A helper process's first call: the imports above and one small prompt's kernels, so the
-    first row's call does not wait for them; torch on one thread there (the helpers are
-    several, beside the GPU thread)."""
-    torch.set_num_threads(1)
+    first row's call does not wait for them; torch on as many threads as in the process that
+    started it (``synth`` on CUDA with several workers: one), so that no kernel splits its work
+    differently there."""
+    torch.set_num_threads(threads)
     wav = torch.sin(torch.arange(2 * ONNX_SAMPLE_RATE, dtype=torch.float32) * 0.05)[None]
     PromptAudio(24000, 1920, 480, 80).tensors(wav, ONNX_SAMPLE_RATE, "<warm-up>")
