@@ -8,7 +8,10 @@ captured bucket, so only GPU time counts), checks that its logits equal the ship
 profiles the kernels of one bucket. The BK-128 variants ask whether prefill can run on the decode
 phase's reduction order (what a prefill riding along a decode step needs), and at what cost:
 
-    python scripts/bench_prefill.py [--tokens 256,640,1280,2560] [--json out.json]
+A last table times a decode step of 16-48 rows plus a separate prefill of one prompt, against one
+forward over both on the decode phase's tiles (a prefill riding along the decode step):
+
+    python scripts/bench_prefill.py [--tokens 256,640,1280,2560] [--mixed-rows 16,32,48] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,6 +73,49 @@ def inputs(t: int, scratch_row: int, vocab: int, seqs: int) -> tuple[torch.Tenso
     return torch.stack([ids, torch.zeros(t, dtype=torch.long), pos, torch.full((t,), scratch_row), torch.arange(t)]), last
 
 
+def mixed_inputs(rows: int, t: int, scratch_row: int, vocab: int) -> tuple[torch.Tensor, list[int]]:
+    """``rows`` one-token sequences (decode-like: each its own last token) followed by one
+    ``t``-token prompt: what a step that runs a prefill beside the decode rows feeds the forward
+    (the decode tokens attend to one position here, not to their rows' histories: a lower
+    bound on their attention, small beside the GEMMs at these sizes)."""
+    g = torch.Generator().manual_seed(rows * 100_003 + t)
+    n = rows + t
+    ids = torch.randint(1000, vocab, (n,), generator=g)
+    pos = torch.cat([torch.zeros(rows, dtype=torch.long), torch.arange(t)])
+    last = list(range(rows)) + [n - 1]
+    return torch.stack([ids, torch.zeros(n, dtype=torch.long), pos, torch.full((n,), scratch_row), torch.arange(n)]), last
+
+
+def mixed_table(ex, runner, scratch: int, vocab: int, rows_list: list[int], prompt_tokens: list[int],
+                reps: int) -> list[dict]:
+    """GPU ms of a decode step of ``rows`` plus a separate prefill of one prompt (shipped
+    tiles), against one forward over both on the decode phase's tiles (what a prefill riding
+    along the decode step would cost, alone on the GPU: beside the flow every launch also waits
+    for SMs, so the separate prefill's ~220 launches cost more there)."""
+    out = []
+    for rows in rows_list:
+        for t in prompt_tokens:
+            sizes = (rows, t, rows + t)
+            try:
+                K.matmul_tiles = SHIPPED
+                pg = PrefillGraphs(ex, scratch, scratch, (t,), runner._graph_pool)
+                prefill_ms, _ = time_bucket(pg, *inputs(t, scratch, vocab, 1), reps)
+                K.matmul_tiles = tiles_for(lambda n, k: SHIPPED("decode", n, k))
+                pg = PrefillGraphs(ex, scratch, scratch, (rows, rows + t), runner._graph_pool)
+                decode_ms, _ = time_bucket(pg, *inputs(rows, scratch, vocab, rows), reps)  # one token a row
+                mixed_ms, _ = time_bucket(pg, *mixed_inputs(rows, t, scratch, vocab), reps)
+            except Exception as e:  # a size that does not capture: say so, go on
+                out.append({"rows": rows, "prompt_tokens": t, "error": f"{type(e).__name__}: {e}"})
+                continue
+            finally:
+                K.matmul_tiles = SHIPPED
+            out.append({"rows": rows, "prompt_tokens": t, "sizes": sizes, "decode_ms": decode_ms,
+                        "prefill_ms": prefill_ms, "mixed_ms": mixed_ms})
+            print(f"mixed: {rows} rows + {t}-token prompt: decode {decode_ms:.3f} + prefill {prefill_ms:.3f} ms "
+                  f"against {mixed_ms:.3f} ms in one forward", flush=True)
+    return out
+
+
 def time_bucket(pg: PrefillGraphs, inp, last, reps: int) -> tuple[float, torch.Tensor]:
     out = pg.run(inp, last).clone()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -104,6 +150,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=3, help="prompts per prefill (synth averages ~3)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mixed-rows", default="16,32,48",
+                    help="decode rows a prompt's prefill rides along with (mixed table; empty: skip)")
+    ap.add_argument("--mixed-prompt", default="256,512", help="that prompt's tokens")
     a = ap.parse_args()
     cfg = LLMConfig()
     lm = random_lm(cfg, device="cuda", dtype=torch.bfloat16)
@@ -151,6 +200,18 @@ def main() -> None:
         same = [row[t].get("max_abs_vs_decode_tiles") for t in tokens]
         eq = "-" if any(d is None for d in same) else ("yes" if all(d == 0 for d in same) else f"no ({max(same):.1e})")
         print(f"| {name} | " + " | ".join(f"{row[t]['ms']:.3f}" for t in tokens) + f" | {eq} |")
+    if a.mixed_rows:
+        mixed = mixed_table(ex, runner, scratch, vocab, [int(r) for r in a.mixed_rows.split(",")],
+                            [int(t) for t in a.mixed_prompt.split(",")], a.reps)
+        results["mixed"] = mixed
+        print("\n| decode rows | prompt tokens | decode ms | + prefill ms (shipped tiles) | one forward, decode tiles |")
+        print("|---|---|---|---|---|")
+        for m in mixed:
+            if "error" in m:
+                print(f"| {m['rows']} | {m['prompt_tokens']} | failed: {m['error']} | | |")
+            else:
+                print(f"| {m['rows']} | {m['prompt_tokens']} | {m['decode_ms']:.3f} | {m['prefill_ms']:.3f} | "
+                      f"{m['mixed_ms']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
