@@ -283,6 +283,7 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     assert b["flow_calls"] > 0 and b["flow_jobs_per_solve"] >= 1 and b["flow_tokens_per_step"] > 0
     assert b["hift_batches"] > 0 and b["hift_jobs_per_batch"] >= 1 and b["prefill_seqs_per_call"] >= 1
     assert b["prefill_graph_share"] == 0  # no CUDA: every prefill eager
+    assert b["prefill_mixed_share"] == 0  # the CPU's torch executor never mixes
     assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill"}
     import pstats
 

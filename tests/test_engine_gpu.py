@@ -143,6 +143,20 @@ def test_batch_invariance_full_size(big_lm, reqs, alone_tokens, max_num_seqs):
         assert len(toks) >= 2 * len(r["text_ids"])
 
 
+def test_prefills_riding_along_decode_steps_give_the_tokens_alone_gpu(big_lm, reqs):
+    """``ar.mixed_prefill`` (design.md D33) on CUDA, graphed: rows joining while others decode
+    prefill inside the decode step (eager), prefills alone replay graphs on the decode tiles;
+    every row gets its tokens alone."""
+    alone_eng = _engine(big_lm, max_num_seqs=16, mixed_prefill=True)
+    alone = run_alone(alone_eng, reqs)
+    _free(alone_eng)
+    eng = _engine(big_lm, max_num_seqs=4, mixed_prefill=True)
+    got = run_together(eng, reqs, list(range(len(reqs))))
+    mixed = eng.stats.mixed_steps
+    _free(eng)
+    assert got == alone and mixed > 0
+
+
 def test_decode_steps_are_fully_graphed(big_lm):
     eng = _engine(big_lm, max_num_seqs=8)
     modes = dict(eng.runner.graph_modes)

@@ -208,25 +208,40 @@ SMALL = LLMConfig(qwen=QwenConfig(hidden_size=64, num_hidden_layers=2, num_atten
                   llm_input_size=64, llm_output_size=64, speech_token_size=256)
 
 
-def test_triton_engine_is_batch_invariant_and_runs_ahead():
-    lm = random_lm(SMALL, seed=4)
+def _requests() -> list[dict]:
+    """Six requests of both sampling modes, of 5-9 tokens."""
     reqs = []
     for i in range(6):
         text = [(7 * i + j * 13) % 5000 + 10 for j in range(5 + i % 3)]
         p = (SamplingParams(seed=i, force_length=4 + i) if i % 2 else
              SamplingParams.standard(0.8, 0.9, 30, 1.3, seed=i, enforce_min_len=True))
         reqs.append(dict(text_ids=text[2:], prompt_text_ids=text[:2], prompt_speech_tokens=[i, 5, 9, 200 + i], params=p))
+    return reqs
 
-    def engine(n, **kw):
-        return LLMEngine(lm, engine_config(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
-                                          max_token_text_ratio=4, **kw))
 
-    alone = []
-    e1 = engine(1)
+def _engine(lm, n, **kw):
+    return LLMEngine(lm, engine_config(max_num_seqs=n, max_model_len=256, kv_block_size=16, executor="triton",
+                                       max_token_text_ratio=4, **kw))
+
+
+def _alone(lm, reqs, **kw) -> list[list[int]]:
+    """Each request's tokens in an engine of one row."""
+    e1, out = _engine(lm, 1, **kw), []
     for i, r in enumerate(reqs):
         rid = e1.add_request(**r, request_id=f"a{i}")
         e1.run()
-        alone.append(e1.seqs[rid].tokens)
+        out.append(e1.seqs[rid].tokens)
+    return out
+
+
+def test_triton_engine_is_batch_invariant_and_runs_ahead():
+    lm = random_lm(SMALL, seed=4)
+    reqs = _requests()
+
+    def engine(n, **kw):
+        return _engine(lm, n, **kw)
+
+    alone = _alone(lm, reqs)
     e4 = engine(4)
     for i in (3, 0, 5, 1, 2, 4):
         e4.add_request(**reqs[i], request_id=f"r{i}")
@@ -246,6 +261,45 @@ def test_triton_engine_is_batch_invariant_and_runs_ahead():
         fused.add_request(**reqs[i], request_id=f"r{i}")
     fused.run()
     assert [fused.seqs[f"r{i}"].tokens for i in (3, 0, 4)] == [alone[i] for i in (3, 0, 4)]
+
+
+def test_a_prefill_riding_along_the_decode_step_leaves_every_row_its_tokens():
+    """``ar.mixed_prefill`` (design.md D33): rows admitted while others decode prefill inside
+    their decode step; every row gets the tokens it gets alone (where its prefill is a step of
+    its own, on the same decode-phase tiles), and the steps did mix."""
+    lm = random_lm(SMALL, seed=4)
+    reqs = _requests()[:4]
+    alone = _alone(lm, reqs, mixed_prefill=True)
+    e2 = _engine(lm, 2, mixed_prefill=True)
+    assert e2.scheduler.mixed and e2.runner.executor.prefill_tiles == "decode"
+    for i in (2, 0, 3, 1):  # two run; each of the others joins when a row frees up
+        e2.add_request(**reqs[i], request_id=f"r{i}")
+    e2.run()
+    assert [e2.seqs[f"r{i}"].tokens for i in range(4)] == alone
+    assert e2.stats.mixed_steps >= 2 and e2.stats.prefill_seqs == 4
+    # the invariant itself, logit for logit: a mixed forward is a decode step and a prefill
+    from cosybatch.gpu.hostcopy import h2d
+
+    e = _engine(lm, 2, mixed_prefill=True)
+    e.add_request(**reqs[1], request_id="x")
+    e.step()
+    e.step()
+    e.add_request(**reqs[2], request_id="y")
+    plan = e.scheduler.schedule()
+    assert plan.kind == "mixed" and [s.request_id for s in plan.decode] == ["x"]
+    for s in plan.seqs:
+        e.runner.bind(s, s.row)
+    ex = e.runner.executor
+    inp, last = ex.prefill_inputs(plan.seqs)
+    inp, last = h2d(inp, device=ex.device), h2d(last, torch.long, ex.device)
+    with torch.inference_mode():
+        mixed, dec, pre = ex.mixed_from(1, inp, last), ex.decode(1), ex.prefill_from(inp, last)
+        assert torch.equal(mixed[:1], dec) and torch.equal(mixed[1:], pre)
+        ex.prefill_tiles = "prefill"  # a prefill on its own tiles would not be what the mixed step gives
+        assert not torch.equal(mixed[1:], ex.prefill_from(inp, last))
+    # the torch executor has no mixed step: the setting leaves it as it was
+    assert not LLMEngine(lm, engine_config(max_num_seqs=2, max_model_len=256, kv_block_size=16, executor="torch",
+                                           mixed_prefill=True)).scheduler.mixed
 
 
 def test_decode_step_launch_census():

@@ -19,6 +19,8 @@ def test_budget_divides_each_stage_by_the_audio_and_names_the_idle_time():
     stages = sum(v for k, v in b.items() if k not in ("idle", "overlap", "wall"))
     assert math.isclose(stages + b["idle"], b["wall"])  # serial slices: the stages and idle make up the wall
     assert "kernel_idle" not in b  # no NVML: nothing claimed
+    assert "ar_mixed" not in b  # no decode step carried a prefill: no row for it
+    assert gpu_budget({**ms, "ar_mixed": 50.0}, wall_s=1.0, audio_s=50.0)["ar_mixed"] == 1.0
 
 
 def test_budget_puts_the_kernel_active_share_beside_the_slices():

@@ -31,6 +31,7 @@ class EngineConfig:
     prefill_min_rows: int
     prefill_wait_ms: float
     rope_in_attention: bool
+    mixed_prefill: bool
     # Engine-only knobs (benchmarks and tests set them; no profile does):
     # paged KV blocks (None: from kv_cache_gb, else enough for max_num_seqs rows of max_model_len)
     num_kv_blocks: int | None = None

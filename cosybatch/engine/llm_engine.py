@@ -39,6 +39,7 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    mixed_steps: int = 0  # decode steps that carried a prefill (design.md D33): counted in both
     batch_hist: dict = field(default_factory=dict)
 
 
@@ -51,6 +52,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cfg.max_num_seqs, BlockAllocator(self.runner.num_blocks),
                                    self.cfg.kv_block_size, self.cfg.max_prefill_tokens,
                                    self.cfg.prefill_min_rows, self.cfg.prefill_wait_ms / 1e3)
+        self.scheduler.mixed = self.runner.mixes
         self.stop_start = self.llm_cfg.speech_token_size
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -125,7 +127,8 @@ class LLMEngine:
 
     def launch(self) -> bool:
         """Enqueue the next step (a prefill of newly admitted requests, or one decode step of
-        every running row) without waiting for it; True if a step is in flight."""
+        every running row, or with ``mixed_prefill`` both in one) without waiting for it; True
+        if a step is in flight."""
         if self._inflight is not None:
             return True
         plan = self.scheduler.schedule()
@@ -136,7 +139,10 @@ class LLMEngine:
             self.runner.decode_launch(plan.seqs)
         else:
             try:
-                self.runner.prefill_launch(plan.seqs)
+                if plan.kind == "mixed":
+                    self.runner.mixed_launch(plan.decode, plan.seqs)
+                else:
+                    self.runner.prefill_launch(plan.seqs)
             except torch.OutOfMemoryError:
                 self._prefill_out_of_memory(plan.seqs)
                 return False
@@ -190,12 +196,18 @@ class LLMEngine:
         if plan.kind == "decode":
             outputs = self._after_decode(plan.seqs, toks, t0)
         else:
+            outputs = []
+            if plan.kind == "mixed":  # the decode rows' ids first (no run-ahead: the rows changed)
+                b = len(plan.decode)
+                outputs = self._after_decode(plan.decode, toks[:b], t0, run_ahead=False)
+                toks = toks[b:]
+                self.stats.mixed_steps += 1
             st = self.stats
             st.prefill_steps += 1
             st.prefill_seqs += len(plan.seqs)
             st.prefill_tokens += sum(s.prompt_len for s in plan.seqs)
             st.prefill_s += time.perf_counter() - t0
-            outputs = self._advance_all(plan.seqs, toks)
+            outputs += self._advance_all(plan.seqs, toks)
             self._min_left = min((s.max_len - s.n_gen for s in self.scheduler.running), default=0)
         if self._abort_later and self._inflight is None:
             for rid in list(self._abort_later):
@@ -206,10 +218,11 @@ class LLMEngine:
     def _advance_all(self, seqs: list[Sequence], toks: list[int]) -> list[RequestOutput]:
         return [self._advance(seq, tok) for seq, tok in zip(seqs, toks) if seq.request_id not in self._abort_later]
 
-    def _after_decode(self, seqs: list[Sequence], toks: list[int], t0: float) -> list[RequestOutput]:
+    def _after_decode(self, seqs: list[Sequence], toks: list[int], t0: float,
+                      run_ahead: bool = True) -> list[RequestOutput]:
         # Nothing in this step ends a row and nobody can be admitted: the rows of the next step
         # are these rows, so enqueue it now and let the GPU run while the host does bookkeeping.
-        if (self._run_ahead and max(toks) < self.stop_start and self._min_left > 1
+        if (run_ahead and self._run_ahead and max(toks) < self.stop_start and self._min_left > 1
                 and not self.scheduler.can_admit() and not self._abort_later):
             self.runner.decode_launch(seqs)
             self._inflight = (StepPlan("decode", seqs), time.perf_counter())

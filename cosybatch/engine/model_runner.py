@@ -75,7 +75,7 @@ class ModelRunner:
             from cosybatch.engine.triton_executor import TritonExecutor
 
             self.executor = TritonExecutor(lm, self.cache, self.rows, self.vocab_padded, self.dtype,
-                                           cfg.linear, cfg.rope_in_attention)
+                                           cfg.linear, cfg.rope_in_attention, cfg.mixed_prefill)
         # rows are sampled one at a time off-GPU: CPU kernels split work by tensor size, so a
         # batched elementwise op could round a row differently from the same row alone
         self._rowwise = self.device.type != "cuda"
@@ -162,6 +162,35 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         self.prefill_launch(seqs)
         return self.collect()
+
+    @property
+    def mixes(self) -> bool:
+        """Whether a prefill can ride along a decode step (``mixed_prefill``, Triton executor)."""
+        return self.cfg.mixed_prefill and hasattr(self.executor, "mixed_from")
+
+    @torch.inference_mode()
+    def mixed_launch(self, decoding: list[Sequence], seqs: list[Sequence]) -> None:
+        """Enqueue one decode step of ``decoding`` (rows 0..b-1) with the prefill of the newly
+        admitted ``seqs`` (rows b..) in one forward (design.md D33); ``collect`` returns the
+        decode rows' ids, then the new rows' first ids. Eager: its token count varies."""
+        b, n = len(decoding), len(decoding) + len(seqs)
+        for s in seqs:
+            self.bind(s, s.row)
+        inp, last = self.executor.prefill_inputs(seqs)
+        logits = self.executor.mixed_from(b, h2d(inp, device=self.device), h2d(last, torch.long, self.device))
+        r = self.rows
+        new = slice(b, n)
+        n_gen = torch.cat([r.n_gen[:b], torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
+        toks = self._sample_record(logits, slice(0, n), n_gen)
+        act = r.active[:b]  # the decode rows step as in ``_decode_step``, the new ones as in ``prefill_launch``
+        r.tok[:b].copy_(torch.where(act, toks[:b], r.tok[:b]))
+        r.pos[:b] += act
+        r.n_gen[:b] += act
+        r.tok[new] = toks[b:]
+        r.pos[new] = h2d([s.prompt_len for s in seqs], torch.long, self.device)
+        r.n_gen[new].fill_(1)
+        r.out[:n].copy_(toks)
+        self._publish(r.out[:n], n)
 
     def _decode_step(self, b: int, seqs: list[Sequence] | None, logits: torch.Tensor | None = None) -> None:
         r = self.rows

@@ -2,7 +2,8 @@
 reserved whole at admission, running sequences kept compact in rows 0..n-1.
 
 Each engine step is either a prefill of newly admitted sequences (preferred, so new requests
-start as soon as a row and their blocks are free) or one decode step of every running row.
+start as soon as a row and their blocks are free) or one decode step of every running row; with
+``mixed`` (design.md D33) a prefill while rows decode is one step of both ("mixed").
 
 Prefill batching (``prefill_min_rows`` > 1, design.md D29): while rows decode and more
 sequences wait than rows are free, a free row waits, up to ``prefill_wait_s`` from the moment
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from cosybatch.engine.kv_cache import BlockAllocator
@@ -25,8 +26,9 @@ from cosybatch.engine.request import Sequence, SeqStatus, blocks_for
 
 @dataclass
 class StepPlan:
-    kind: str  # "prefill" | "decode"
-    seqs: list[Sequence]
+    kind: str  # "prefill" | "decode" | "mixed"
+    seqs: list[Sequence]  # prefill, mixed: the admitted sequences; decode: the running ones
+    decode: list[Sequence] = field(default_factory=list)  # mixed: the rows decoding beside them (rows 0..)
 
 
 class Scheduler:
@@ -42,6 +44,7 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i].row == i
+        self.mixed = False  # a prefill while rows decode rides along their decode step (set by the engine)
         self._held_since: float | None = None  # when a possible prefill was first held back
 
     def blocks_needed(self, seq: Sequence) -> int:
@@ -83,6 +86,7 @@ class Scheduler:
         if self.waiting and not self.can_admit():
             return StepPlan("decode", list(self.running)) if self.running else None
         self._held_since = None
+        decoding = list(self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
@@ -98,6 +102,8 @@ class Scheduler:
             admitted.append(seq)
             tokens += seq.prompt_len
         if admitted:
+            if self.mixed and decoding:
+                return StepPlan("mixed", admitted, decoding)
             return StepPlan("prefill", admitted)
         if self.running:
             return StepPlan("decode", list(self.running))

@@ -37,7 +37,8 @@ class TritonExecutor:
     graphable = True
 
     def __init__(self, lm: CosyVoice3LM, cache: PagedKVCache, rows, vocab_padded: int,
-                 dtype: torch.dtype, linear: str = "triton", rope_in_attention: bool = False):
+                 dtype: torch.dtype, linear: str = "triton", rope_in_attention: bool = False,
+                 mixed_prefill: bool = False):
         q = lm.cfg.qwen
         self.cache = cache
         self.rows = rows
@@ -48,6 +49,10 @@ class TritonExecutor:
         self.scale = self.d ** -0.5
         self.linear_impl = linear
         self.rope_in_attention = rope_in_attention
+        # The matmul tiles prefills run on: their own, or (when prefills ride along decode steps,
+        # design.md D33) the decode phase's, so that a prompt's tokens get the same bits whichever
+        # way it was prefilled.
+        self.prefill_tiles = "decode" if mixed_prefill else "prefill"
         if cache.block_size < 16 or cache.block_size & (cache.block_size - 1):
             raise ValueError("the triton executor needs a power-of-two kv_block_size >= 16")
 
@@ -91,8 +96,10 @@ class TritonExecutor:
             return F.linear(x, w, bias)
         return K.matmul(x, w, bias, out_dtype=out_dtype, phase=phase)
 
-    def _forward(self, x, pos, tok_rows, slots, phase: str) -> torch.Tensor:
-        """x [T, H] inputs -> post-final-norm hidden [T, H]."""
+    def _forward(self, x, pos, tok_rows, slots, phase: str, one_per_row: bool = False) -> torch.Tensor:
+        """x [T, H] inputs -> post-final-norm hidden [T, H]. ``phase``: the matmul tiles;
+        ``one_per_row``: one token of each row (a decode step), which the fused RoPE attention
+        serves."""
         bt = self.rows.block_tables
         h = K.rmsnorm(x, self.layers[0].ln1, self.eps)
         res = x
@@ -100,7 +107,7 @@ class TritonExecutor:
         for i, L in enumerate(self.layers):
             kc, vc = self.cache.k[i], self.cache.v[i]
             qkv = self._mm(h, L.w_qkv, L.b_qkv, phase)
-            if phase == "decode" and self.rope_in_attention:  # one query per row: one launch
+            if one_per_row and self.rope_in_attention:  # one query per row: one launch
                 a = K.rope_paged_attention(qkv, pos, slots, self.cos, self.sin, kc, vc, bt, tok_rows, self.scale,
                                            self.hq, self.hkv, self.d)
             else:
@@ -142,12 +149,29 @@ class TritonExecutor:
     def prefill_from(self, inp: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Logits [len(last), Vp] of a prefill laid out by ``prefill_inputs``, on the device
         (reads nothing from the host: graph-capturable)."""
-        ids, sp = inp[0], inp[1].bool()
-        x = torch.where(sp.unsqueeze(1),
-                        self.embed_speech[torch.where(sp, ids, 0)],
-                        self.embed_text[torch.where(sp, 0, ids)])
-        h = self._forward(x.contiguous(), inp[2], inp[3], inp[4], "prefill")
+        h = self._forward(self._prefill_embeddings(inp), inp[2], inp[3], inp[4], self.prefill_tiles)
         return self._logits(h.index_select(0, last).contiguous())
+
+    def _prefill_embeddings(self, inp: torch.Tensor) -> torch.Tensor:
+        ids, sp = inp[0], inp[1].bool()
+        return torch.where(sp.unsqueeze(1),
+                           self.embed_speech[torch.where(sp, ids, 0)],
+                           self.embed_text[torch.where(sp, 0, ids)]).contiguous()
+
+    def mixed_from(self, b: int, inp: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Logits [b + len(last), Vp]: rows 0..b-1's decode token (from device state, as
+        ``decode``) and a prefill laid out by ``prefill_inputs`` (of rows after them), in one
+        forward on the decode phase's tiles (design.md D33). Every kernel computes a token
+        alone -- the matmuls on tiles that do not depend on the token count, the norms and the
+        attention per token -- so each row's logits are those of a decode step or a prefill of
+        its own."""
+        r = self.rows
+        x = torch.cat([self.embed_speech[r.tok[:b]], self._prefill_embeddings(inp)])
+        pos = torch.cat([r.pos[:b], inp[2]])
+        h = self._forward(x, pos, torch.cat([self._arange[:b], inp[3]]), torch.cat([self._decode_slots(b), inp[4]]),
+                          "decode")
+        pick = torch.cat([self._arange[:b], last + b])
+        return self._logits(h.index_select(0, pick).contiguous())
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -157,13 +181,16 @@ class TritonExecutor:
     def decode(self, b: int, seqs=None) -> torch.Tensor:
         """Logits [b, Vp] for rows 0..b-1 from device state only (graph-capturable)."""
         r = self.rows
-        pos = r.pos[:b]
-        bs = self.cache.block_size
-        blk = r.block_tables[:b].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
-        slots = blk.squeeze(1).long() * bs + pos % bs
         x = self.embed_speech[r.tok[:b]]
-        h = self._forward(x, pos, self._arange[:b], slots, "decode")
+        h = self._forward(x, r.pos[:b], self._arange[:b], self._decode_slots(b), "decode", one_per_row=True)
         return self._logits(h)
+
+    def _decode_slots(self, b: int) -> torch.Tensor:
+        """The cache slot of rows 0..b-1's next token (from their block tables and positions)."""
+        r, bs = self.rows, self.cache.block_size
+        pos = r.pos[:b]
+        blk = r.block_tables[:b].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
+        return blk.squeeze(1).long() * bs + pos % bs
 
     def warmup(self, buckets) -> None:
         """Compile every kernel variant once before graph capture."""

@@ -60,6 +60,11 @@ class ARProfile:
     # triton executor, decode: RoPE and the K/V cache write inside the attention kernel, one
     # launch fewer per layer with the same bits (design.md D30); off until measured on a GPU
     rope_in_attention: bool = False
+    # triton executor: newly admitted prompts prefill inside the running rows' decode step (one
+    # forward over both) instead of in a step of their own, which holds every running row's
+    # next token; every prefill then runs on the decode phase's matmul tiles, so a row's tokens
+    # do not depend on which way its prompt went (design.md D33); off until measured on a GPU
+    mixed_prefill: bool = False
 
 
 @dataclass(frozen=True)

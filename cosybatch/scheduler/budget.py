@@ -18,8 +18,10 @@ STAGES: dict[str, tuple[str, ...]] = {
     "hift": ("hift",),
     "ar_decode": ("ar_decode",),
     "prefill": ("ar_prefill",),
+    "ar_mixed": ("ar_mixed",),  # decode steps that carried a prefill (ar.mixed_prefill): only when there are any
     "frontend": ("frontend",),
 }
+OPTIONAL = ("ar_mixed",)
 
 
 def kernel_active_share(samples: list[float]) -> float | None:
@@ -55,7 +57,8 @@ def gpu_budget(slice_ms: dict[str, float], wall_s: float, audio_s: float,
     if audio_s <= 0 or wall_s <= 0:
         return None
     per = lambda ms: round(ms / audio_s, 3)  # noqa: E731
-    stages = {name: sum(slice_ms.get(k, 0.0) for k in kinds) for name, kinds in STAGES.items()}
+    stages = {name: sum(slice_ms.get(k, 0.0) for k in kinds) for name, kinds in STAGES.items()
+              if name not in OPTIONAL or any(k in slice_ms for k in kinds)}
     other = sum(v for k, v in slice_ms.items() if not any(k in kinds for kinds in STAGES.values()))
     if other:
         stages["other"] = other
@@ -75,7 +78,8 @@ def gpu_budget(slice_ms: dict[str, float], wall_s: float, audio_s: float,
 def budget_rows(budget: dict) -> list[tuple[str, str]]:
     """The budget as (label, value) rows for a report table."""
     labels = {"flow_steps": "flow steps", "flow_setup": "flow set-up", "captures": "graph captures",
-              "hift": "HiFT", "ar_decode": "AR decode", "prefill": "AR prefill", "frontend": "frontend",
+              "hift": "HiFT", "ar_decode": "AR decode", "prefill": "AR prefill",
+              "ar_mixed": "AR decode with a prefill", "frontend": "frontend",
               "other": "other slices", "idle": "idle (outside slices)", "overlap": "overlap (slices on two streams)",
               "kernel_idle": "no kernel running (NVML)", "hidden_idle": "no kernel running inside slices",
               "wall": "wall"}

@@ -201,6 +201,7 @@ class FastPipeline:
             "hift_frames_per_batch": per("hift_frames", "hift_batches"),
             "prefill_seqs_per_call": per("prefill_seqs", "prefill_calls"),
             "prefill_graph_share": per("prefill_graphed", "prefill_calls"),
+            "prefill_mixed_share": per("prefill_mixed", "prefill_calls"),  # rode along a decode step
             **{k: d[k] for k in ("flow_calls", "hift_batches", "prefill_calls")},
         }
         graphs = self._graph_stats()
@@ -262,7 +263,7 @@ class FastPipeline:
         pg = self.engine.runner.prefill_graphs
         return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
                 "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
-                "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs,
+                "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs, "prefill_mixed": es.mixed_steps,
                 "prefill_graphed": pg.replays if pg is not None else 0, "audio_samples": self._audio_samples}
 
     def step(self) -> list[Event]:
@@ -394,7 +395,9 @@ class FastPipeline:
     def _launch_ar(self) -> bool:
         if self.engine.in_flight or not self.engine.has_unfinished():
             return False
-        kind = "ar_prefill" if self.engine.scheduler.can_admit() else "ar_decode"
+        sch = self.engine.scheduler
+        # a prefill beside running rows rides along their decode step with ar.mixed_prefill
+        kind = ("ar_mixed" if sch.mixed and sch.running else "ar_prefill") if sch.can_admit() else "ar_decode"
         # on the AR stream, the accounting's events too (an AR slice is timed on its stream);
         # a failure is handled after it, since failing rows releases codec state
         with self._on_ar():
