@@ -425,6 +425,23 @@ def test_scheduler_rows_stay_compact_and_blocks_are_reserved():
     assert alloc.num_free == alloc.capacity and sch.schedule().seqs == [seqs[4]]
 
 
+def test_a_mixing_scheduler_plans_a_prefill_beside_running_rows_as_one_step():
+    """``mixed`` (design.md D33): admissions while rows decode make a "mixed" plan carrying the
+    rows that decode beside them (rows 0..b-1, the new ones after); with nothing decoding a
+    prefill is a step of its own."""
+    sch = Scheduler(max_num_seqs=4, allocator=BlockAllocator(64), block_size=16, max_prefill_tokens=10_000)
+    sch.mixed = True
+    s = [_seq(i) for i in range(4)]
+    sch.add(s[0])
+    assert sch.schedule().kind == "prefill"  # nothing decodes
+    sch.add(s[1])
+    sch.add(s[2])
+    plan = sch.schedule()
+    assert plan.kind == "mixed" and plan.decode == [s[0]] and plan.seqs == [s[1], s[2]]
+    assert [q.row for q in (s[0], s[1], s[2])] == [0, 1, 2]
+    assert sch.schedule().kind == "decode" and sch.schedule().decode == []
+
+
 def test_prefill_batching_holds_free_rows_under_a_backlog_until_enough_or_the_wait_ends():
     """ar.prefill_min_rows / prefill_wait_ms: while rows decode and more prompts wait than rows
     are free, the free rows are held (decode steps go on) until enough are free or the first
