@@ -268,15 +268,15 @@ def test_a_prefill_riding_along_the_decode_step_leaves_every_row_its_tokens():
     their decode step; every row gets the tokens it gets alone (where its prefill is a step of
     its own, on the same decode-phase tiles), and the steps did mix."""
     lm = random_lm(SMALL, seed=4)
-    reqs = _requests()[:4]
+    reqs = _requests()[:3]
     alone = _alone(lm, reqs, mixed_prefill=True)
     e2 = _engine(lm, 2, mixed_prefill=True)
     assert e2.scheduler.mixed and e2.runner.executor.prefill_tiles == "decode"
-    for i in (2, 0, 3, 1):  # two run; each of the others joins when a row frees up
+    for i in (0, 2, 1):  # two run; the third joins when a row frees up
         e2.add_request(**reqs[i], request_id=f"r{i}")
     e2.run()
-    assert [e2.seqs[f"r{i}"].tokens for i in range(4)] == alone
-    assert e2.stats.mixed_steps >= 2 and e2.stats.prefill_seqs == 4
+    assert [e2.seqs[f"r{i}"].tokens for i in range(3)] == alone
+    assert e2.stats.mixed_steps >= 1 and e2.stats.prefill_seqs == 3
     # the invariant itself, logit for logit: a mixed forward is a decode step and a prefill
     from cosybatch.gpu.hostcopy import h2d
 
