@@ -153,11 +153,15 @@ class ModelRunner:
         rows = h2d([s.row for s in seqs], torch.long, self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         toks = self._sample_record(logits, rows, zeros)
+        self._start_rows(rows, seqs, toks)
+        self._publish(toks, len(seqs))
+
+    def _start_rows(self, rows: torch.Tensor, seqs: list[Sequence], toks: torch.Tensor) -> None:
+        """Newly prefilled rows: their first id, the position past the prompt, one id generated."""
         r = self.rows
         r.tok[rows] = toks
         r.pos[rows] = h2d([s.prompt_len for s in seqs], torch.long, self.device)
         r.n_gen.index_fill_(0, rows, 1)
-        self._publish(toks, len(seqs))
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         self.prefill_launch(seqs)
@@ -179,16 +183,10 @@ class ModelRunner:
         inp, last = self.executor.prefill_inputs(seqs)
         logits = self.executor.mixed_from(b, h2d(inp, device=self.device), h2d(last, torch.long, self.device))
         r = self.rows
-        new = slice(b, n)
         n_gen = torch.cat([r.n_gen[:b], torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
         toks = self._sample_record(logits, slice(0, n), n_gen)
-        act = r.active[:b]  # the decode rows step as in ``_decode_step``, the new ones as in ``prefill_launch``
-        r.tok[:b].copy_(torch.where(act, toks[:b], r.tok[:b]))
-        r.pos[:b] += act
-        r.n_gen[:b] += act
-        r.tok[new] = toks[b:]
-        r.pos[new] = h2d([s.prompt_len for s in seqs], torch.long, self.device)
-        r.n_gen[new].fill_(1)
+        self._step_rows(b, toks[:b])  # the decode rows as a decode step leaves them
+        self._start_rows(h2d([s.row for s in seqs], torch.long, self.device), seqs, toks[b:])  # the new ones as a prefill
         r.out[:n].copy_(toks)
         self._publish(r.out[:n], n)
 
@@ -198,11 +196,16 @@ class ModelRunner:
             logits = self.executor.decode(b, seqs)
         n_gen = r.n_gen[:b]
         toks = self._sample_record(logits, slice(0, b), n_gen)
+        self._step_rows(b, toks)
+        r.out[:b].copy_(toks)
+
+    def _step_rows(self, b: int, toks: torch.Tensor) -> None:
+        """Rows 0..b-1 after a decode step: the active ones take their new id and advance."""
+        r = self.rows
         act = r.active[:b]
         r.tok[:b].copy_(torch.where(act, toks, r.tok[:b]))
         r.pos[:b] += act
         r.n_gen[:b] += act
-        r.out[:b].copy_(toks)
 
     def bucket(self, n: int) -> int:
         for b in self.cfg.buckets():
