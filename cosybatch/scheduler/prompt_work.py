@@ -62,9 +62,8 @@ class PromptWork:
     def take(self, wait: bool = False, backlog: int = 0) -> tuple[list[tuple], list[tuple[str, Exception]], bool]:
         """(rows ready to start as (request, PromptFeatures, TextInputs), rows that failed as
         (request id, error), whether anything moved). ``backlog``: rows the AR engine has
-        queued (admitted, not running). ``wait`` (the pipeline is idle): launch what has
-        gathered (with a gather time, as ``launch_prompts`` says), and wait for the oldest
-        launched batch rather than poll it."""
+        queued (admitted, not running). ``wait`` (the pipeline is idle): what has gathered
+        launches as ``idle`` says, and the oldest launched batch is waited for rather than polled."""
         done = [rid for rid, (_, f) in self.preparing.items() if f.done()]
         ready, failed = [], []
         for rid in done:
@@ -80,7 +79,7 @@ class PromptWork:
             self._gathered_since = now
         self._gathered += ready
         on_the_way = sum(len(rows) for rows, _ in self._launched)
-        if self._gathered and ((wait and not self.gather_s) or self._launch_now(backlog + on_the_way, now)):
+        if self._gathered and self._launch_now(0 if wait else backlog + on_the_way, now):
             self._launch(self._gathered)
             self._gathered = []
         else:
@@ -99,10 +98,10 @@ class PromptWork:
                               more_coming=bool(self.preparing))
 
     def idle(self) -> None:
-        """Nothing else to do: launch what has gathered (without a gather time there is nothing
-        to gather for while the GPU would wait; with one, as ``launch_prompts`` says), else wait
-        briefly for a worker."""
-        if self._gathered and (not self.gather_s or self._launch_now(0, time.perf_counter())):
+        """Nothing else to do: launch what has gathered as ``launch_prompts`` says with no
+        backlog (the engine has nothing queued to run: without a gather time, at once), else
+        wait briefly for a worker."""
+        if self._gathered and self._launch_now(0, time.perf_counter()):
             self._launch(self._gathered)
             self._gathered = []
             return
