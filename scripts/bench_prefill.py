@@ -100,7 +100,7 @@ def mixed_table(ex, runner, scratch: int, vocab: int, rows_list: list[int], prom
                 K.matmul_tiles = SHIPPED
                 pg = PrefillGraphs(ex, scratch, scratch, (t,), runner._graph_pool)
                 prefill_ms, _ = time_bucket(pg, *inputs(t, scratch, vocab, 1), reps)
-                K.matmul_tiles = tiles_for(lambda n, k: SHIPPED("decode", n, k))
+                K.matmul_tiles = tiles_for(VARIANTS[DECODE_TILES])
                 pg = PrefillGraphs(ex, scratch, scratch, (rows, rows + t), runner._graph_pool)
                 decode_ms, _ = time_bucket(pg, *inputs(rows, scratch, vocab, rows), reps)  # one token a row
                 mixed_ms, _ = time_bucket(pg, *mixed_inputs(rows, t, scratch, vocab), reps)
