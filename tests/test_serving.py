@@ -186,7 +186,8 @@ def test_the_hift_frame_bucket_pads_on_cuda_only(parts):
     from cosybatch.synthesizers import fast_pipeline
 
     models, frontend = parts
-    for kv, bucket in (([], 128), (["optimizations.hift_frame_bucket=64"], 64)):
+    for kv, bucket in ((["optimizations.hift_graphs=true", "optimizations.hift_frame_bucket=128"], 128),
+                       (["optimizations.hift_frame_bucket=64"], 64)):
         profile = load_profile("default", FP32 + kv)
         assert resolve(profile, models.cfg, torch.device("cuda")).codec.hift_frame_bucket == bucket
         pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
