@@ -86,6 +86,15 @@ rows = {"kernel-active": (tl.get("gpu_kernel") or {}).get("by_tenth"), "host own
 for name, v in rows.items():
     if v:
         print(f"  {name:14s}", " ".join(f"{x:4.2f}" for x in v))
+# how large the launches were and what the host paid to queue them (counts and rows per tenth)
+for label, part, kinds in (("launches", "count", ("frontend", "ar_prefill")), ("rows", "size", ("frontend", "ar_prefill")),
+                           ("host queueing", "queue", ("frontend", "ar_prefill", "ar_decode"))):
+    for k in kinds:
+        v = (bt.get(part) or {}).get(k)
+        if v:
+            print(f"  {label + ' ' + k:26s}", " ".join(f"{x:5.2f}" if isinstance(x, float) else f"{x:5d}" for x in v))
+for k, v in (bt.get("marks") or {}).items():
+    print(f"  {k:26s}", " ".join(f"{x:5d}" for x in v))
 print("start-up", t.get("startup"))
 PY
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"

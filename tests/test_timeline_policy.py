@@ -221,7 +221,9 @@ def test_accounting_reports_the_host_time_spent_queueing_each_kind_of_slice():
 
 def test_accounting_splits_the_window_into_tenths(monkeypatch):
     """Each slice's GPU time goes to the tenth it was queued in, the host's own time (its
-    iteration less the waits) to the tenth the iteration ended in, as shares of a tenth."""
+    iteration less the waits) to the tenth the iteration ended in, as shares of a tenth; beside
+    them each kind's slice count, the host's time queueing them, the rows they served, and the
+    named events (``mark``) per tenth."""
     import torch
 
     from cosybatch.scheduler import accounting
@@ -229,19 +231,29 @@ def test_accounting_splits_the_window_into_tenths(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(accounting.time, "perf_counter", lambda: now[0])
     acct = accounting.Accounting(torch.device("cpu"))
-    for kind, start, end in (("frontend", 0.05, 0.15), ("flow_step", 0.95, 1.0)):
+    for kind, start, end, size in (("frontend", 0.05, 0.15, 3), ("frontend", 0.07, 0.08, 2),
+                                   ("flow_step", 0.95, 1.0, 0)):
         now[0] = start
         t = acct.start(kind)
         now[0] = end
-        acct.end(t)
+        acct.end(t, size=size)
     now[0] = 0.50
     with acct.waiting():
         now[0] = 0.51
     now[0] = 0.54
     acct.iteration(40.0)
+    for when, n in ((0.02, 4), (0.03, 1), (0.61, 2)):
+        now[0] = when
+        acct.mark("prompts_loaded", n)
     tenths = acct.summary(wall_s=1.0)["by_tenth"]
-    assert tenths["slices"] == {"flow_step": [0.0] * 9 + [0.5], "frontend": [1.0] + [0.0] * 9}
+    assert tenths["slices"] == {"flow_step": [0.0] * 9 + [0.5], "frontend": [1.1] + [0.0] * 9}
     assert tenths["host_own"] == [0.0] * 5 + [0.3] + [0.0] * 4
+    assert tenths["count"] == {"flow_step": [0] * 9 + [1], "frontend": [2] + [0] * 9}
+    assert tenths["queue"] == {"flow_step": [0.0] * 9 + [0.5], "frontend": [1.1] + [0.0] * 9}
+    assert tenths["size"] == {"frontend": [5] + [0] * 9}  # flow_step said no size: left out
+    assert tenths["marks"] == {"prompts_loaded": [5, 0, 0, 0, 0, 0, 2, 0, 0, 0]}
+    acct.reset()
+    assert acct.summary(wall_s=1.0)["by_tenth"]["marks"] == {}
 
 
 def test_budget_grows_while_few_rows_decode_when_asked():

@@ -32,6 +32,9 @@ class Accounting:
         self.wait_ms: list[float] = []  # per iteration: host time blocked on the GPU
         self.ends: list[float] = []  # per iteration: when it ended (host clock)
         self.starts: dict[str, list[float]] = defaultdict(list)  # per slice of ``ms``: when it was queued
+        self.queued: dict[str, list[float]] = defaultdict(list)  # per slice of ``ms``: host ms queueing it
+        self.sizes: dict[str, list[int]] = defaultdict(list)  # per slice of ``ms``: its rows or prompts
+        self.marks: dict[str, list[tuple[float, int]]] = defaultdict(list)  # (when, how many) per named event
         self._waiting = 0.0
         self._t0 = time.perf_counter()
 
@@ -47,36 +50,45 @@ class Accounting:
         t = time.perf_counter()
         return (kind, t, on_done, t)
 
-    def end(self, token, as_kind: str | None = None) -> None:
+    def mark(self, name: str, n: int = 1) -> None:
+        """Count ``n`` events of ``name`` now (e.g. prompts whose audio finished loading), for
+        the window by tenth."""
+        self.marks[name].append((time.perf_counter(), n))
+
+    def end(self, token, as_kind: str | None = None, size: int = 0) -> None:
         """Close a slice. ``as_kind``: count it under another kind (a slice that captured a CUDA
-        graph: its time is not what a replay costs, so it teaches ``on_done`` nothing)."""
+        graph: its time is not what a replay costs, so it teaches ``on_done`` nothing).
+        ``size``: the rows or prompts it served (by tenth: how large the launches were)."""
         kind, start, on_done, t0 = token
         if as_kind is not None:
             kind, on_done = as_kind, None
-        self.queue_ms[kind] += (time.perf_counter() - t0) * 1e3
+        queued = (time.perf_counter() - t0) * 1e3
+        self.queue_ms[kind] += queued
         if self.cuda:
             ev = self._event()
             ev.record()
-            self._open.append((kind, start, ev, on_done, t0))
+            self._open.append((kind, start, ev, on_done, t0, queued, size))
             return
-        self._done(kind, (time.perf_counter() - start) * 1e3, on_done, t0)
+        self._done(kind, (time.perf_counter() - start) * 1e3, on_done, t0, queued, size)
 
     def cancel(self, token) -> None:
         """Drop a slice that queued no work."""
         if self.cuda:
             self._free.append(token[1])
 
-    def _done(self, kind: str, ms: float, on_done, queued: float) -> None:
+    def _done(self, kind: str, ms: float, on_done, t0: float, queued: float, size: int) -> None:
         self.ms[kind].append(ms)
-        self.starts[kind].append(queued)
+        self.starts[kind].append(t0)
+        self.queued[kind].append(queued)
+        self.sizes[kind].append(size)
         if on_done is not None:
             on_done(ms)
 
     def poll(self) -> None:
         """Read every finished slice (in queue order, so it stops at the first unfinished)."""
         while self._open and self._open[0][2].query():
-            kind, start, end, on_done, queued = self._open.popleft()
-            self._done(kind, start.elapsed_time(end), on_done, queued)
+            kind, start, end, on_done, t0, queued, size = self._open.popleft()
+            self._done(kind, start.elapsed_time(end), on_done, t0, queued, size)
             self._free += [start, end]
 
     @contextmanager
@@ -95,6 +107,9 @@ class Accounting:
         """Start a new window (slices still open are counted in it)."""
         self.ms.clear()
         self.starts.clear()
+        self.queued.clear()
+        self.sizes.clear()
+        self.marks.clear()
         self.queue_ms.clear()
         self.host_ms.clear()
         self.wait_ms.clear()
@@ -144,7 +159,10 @@ class Accounting:
         queued) and the host's own milliseconds (its iterations less their waits for the GPU),
         as shares of a part. Where a run's ramp or drain goes, beside NVML's kernel-active share
         by tenth: a part with little GPU work and a busy host was host-bound, one with little
-        of either had nothing to do."""
+        of either had nothing to do. Beside them, per tenth: how many slices of each kind, the
+        host's milliseconds queueing them (as shares of a part: close to the GPU's share, the
+        GPU waited for the host), the rows or prompts they served where the caller said, and
+        each named event's count (``mark``)."""
         edges = self._t0 + wall * np.arange(1, 10) / 10
         part_ms = wall * 100.0  # a tenth, in ms
 
@@ -153,6 +171,15 @@ class Accounting:
             per = np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]
             return [round(float(v / part_ms), 3) for v in per]
 
+        def counts(times, values) -> list[int]:
+            idx = np.searchsorted(edges, np.asarray(times, dtype=float), side="right")
+            return [int(v) for v in np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]]
+
         own = np.array(self.host_ms) - np.array(self.wait_ms)
-        return {"slices": {k: shares(self.starts[k], v) for k, v in sorted(self.ms.items()) if v},
-                "host_own": shares(self.ends, own) if self.ends else None}
+        kinds = [k for k, v in sorted(self.ms.items()) if v]
+        return {"slices": {k: shares(self.starts[k], self.ms[k]) for k in kinds},
+                "host_own": shares(self.ends, own) if self.ends else None,
+                "count": {k: counts(self.starts[k], [1] * len(self.ms[k])) for k in kinds},
+                "queue": {k: shares(self.starts[k], self.queued[k]) for k in kinds},
+                "size": {k: counts(self.starts[k], self.sizes[k]) for k in kinds if any(self.sizes[k])},
+                "marks": {k: counts([t for t, _ in v], [n for _, n in v]) for k, v in sorted(self.marks.items()) if v}}

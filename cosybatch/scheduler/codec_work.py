@@ -171,7 +171,7 @@ class CodecWork:
             self.acct.end(t)
             self._split_or_fail(hops, e, "flow")
             return
-        self.acct.end(t)
+        self.acct.end(t, size=len(hops))
         self.active = _Active(solve, hops, solve.buffers.stride * 2)
         if steps:
             self._steps(steps, now)
@@ -235,7 +235,7 @@ class CodecWork:
             self.acct.end(t)
             self._split_or_fail(batch, e, "HiFT")
             return
-        self.acct.end(t, "hift_capture" if self._captures() > captures else None)
+        self.acct.end(t, "hift_capture" if self._captures() > captures else None, size=len(batch))
         for m, w in zip(batch, wavs):
             self._to_host(m.hop, w[0])
 

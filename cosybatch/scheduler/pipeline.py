@@ -400,6 +400,7 @@ class FastPipeline:
         kind = ("ar_mixed" if sch.mixed and sch.running else "ar_prefill") if sch.can_admit() else "ar_decode"
         # on the AR stream, the accounting's events too (an AR slice is timed on its stream);
         # a failure is handled after it, since failing rows releases codec state
+        seqs = self.engine.stats.prefill_seqs
         with self._on_ar():
             t = self.acct.start(kind)
             try:
@@ -412,7 +413,7 @@ class FastPipeline:
                 else:
                     self.acct.end(t)
             else:
-                self.acct.end(t)
+                self.acct.end(t, size=self.engine.stats.prefill_seqs - seqs)  # rows prefilled (0: a decode step)
         if isinstance(err, RequestFailed):  # the engine dropped that one request and goes on
             self._fail_request(err)
             return True

@@ -65,6 +65,8 @@ class PromptWork:
         queued (admitted, not running). ``wait`` (the pipeline is idle): what has gathered
         launches as ``idle`` says, and the oldest launched batch is waited for rather than polled."""
         done = [rid for rid, (_, f) in self.preparing.items() if f.done()]
+        if done:
+            self.acct.mark("prompts_loaded", len(done))
         ready, failed = [], []
         for rid in done:
             req, fut = self.preparing.pop(rid)
@@ -154,7 +156,7 @@ class PromptWork:
             pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
         except Exception:
             pending = None  # _read redoes it prompt by prompt
-        self.acct.end(t)
+        self.acct.end(t, size=len(ready))
         self._launched.append((ready, pending))
 
     def _read(self, ready: list, pending: Any, failed: list) -> list:
