@@ -104,6 +104,29 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
         assert graphs["hift"]["hits"] + graphs["hift"]["captures"] > 0, graphs
 
 
+@pytest.mark.parametrize("mode", ["full", "streaming"])
+def test_frontend_beside_the_codec_matches_official(parts, fixtures_dir, reference_dir, mode):
+    """``scheduler.frontend_stream=beside`` (design.md D34): the GPU frontend's launches on a
+    stream of their own. Nothing orders them against the codec's or the AR's streams but the
+    host's read of their results, so a missing order (a launch reading inputs not yet copied, a
+    result read before its copy landed) would change prompts, tokens and waves: all must still
+    be the official ones, as serial."""
+    stream = mode == "streaming"
+    pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}", "scheduler.frontend_stream=beside"])
+    assert (pipe.prompts.stream is not None) == (DEV.type == "cuda" and pipe.prompts.on_device)
+    chunks, tokens = _run(pipe, fixture_rows(fixtures_dir), stream, len(ROWS))
+    tl = pipe.timeline()
+    pipe.close()
+    want_tokens, want = official(reference_dir, stream)
+    assert tokens == want_tokens
+    for row in ROWS:
+        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
+        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
+            assert_wave_close(got, w, (mode, row, i))
+    if DEV.type == "cuda":
+        assert tl["slice_ms"]["frontend"]["count"] > 0, tl["slice_ms"]
+
+
 def _snr(a, b) -> float:
     return wave_error(np.concatenate(a), np.concatenate(b))[0]
 

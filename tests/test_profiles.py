@@ -356,6 +356,10 @@ def test_slice_settings_reach_the_timeline_limits():
     assert (on.slices.deadline_lead_s, on.slices.deadline_tokens, on.ar_stream) == (0.6, 6000, "beside")
     assert err("packed_streaming", ["codec.deadline_lead_ms=200"]).endswith("must be > 250 (the imminent-deadline margin), got 200.0")
     assert "one of 'serial', 'beside'" in err("packed_streaming", ["scheduler.ar_stream=parallel"])
+    # the GPU frontend's launches: serial unless asked (design.md D34)
+    assert resolve(load_profile("default"), cfg, cpu).frontend_stream == "serial"
+    assert resolve(load_profile("default", ["scheduler.frontend_stream=beside"]), cfg, cpu).frontend_stream == "beside"
+    assert "one of 'serial', 'beside'" in err("default", ["scheduler.frontend_stream=side"])
     assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
         "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"
 

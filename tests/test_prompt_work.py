@@ -136,3 +136,58 @@ def test_with_a_gather_time_a_short_queue_waits_for_the_oldest_prompt_s_time():
     finally:
         gate.set()
         work.close()
+
+
+def test_every_frontend_call_goes_on_the_frontend_stream(monkeypatch):
+    """``scheduler.frontend_stream=beside`` (design.md D34): launches, the prompt-by-prompt redo
+    of a failed launch and the warm-up all run with the frontend's stream current (its graphs
+    must replay on one stream only), and the launch's slice is opened and closed there (its
+    events time it on that stream)."""
+    import contextlib
+
+    from cosybatch.scheduler import prompt_work
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(prompt_work.torch.cuda, "stream", stream)
+
+    class _Fe(_Frontend):
+        def __init__(self):
+            super().__init__(set())
+            self.on: list[tuple[str, object]] = []
+
+        def launch_features(self, prompts):
+            self.on.append(("launch", current[0]))
+            if any(p.source == "bad" for p in prompts):
+                raise RuntimeError("launch failed")
+            return super().launch_features(prompts)
+
+        def features(self, prompts):
+            self.on.append(("features", current[0]))
+            return [p.source for p in prompts]
+
+    class _Acct(Accounting):
+        def start(self, kind, on_done=None):
+            fe.on.append(("start " + kind, current[0]))
+            return super().start(kind, on_done)
+
+    fe, marker = _Fe(), object()
+    work = PromptWork(fe, workers=2, on_device=True, acct=_Acct(torch.device("cpu")), batch=1, stream=marker)
+    try:
+        _add(work, ["a"])
+        assert _ids(work.take(wait=True)[0]) == ["a"]
+        _add(work, ["bad"])
+        assert _ids(work.take(wait=True)[0]) == ["bad"]  # redone prompt by prompt
+        assert work.warm(["w1", "w2"]) == 2
+    finally:
+        work.close()
+    assert [k for k, _ in fe.on] == ["start frontend", "launch", "start frontend", "launch", "features", "features"]
+    assert all(s is marker for _, s in fe.on) and current[0] is None

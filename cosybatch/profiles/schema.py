@@ -108,6 +108,11 @@ class SchedulerProfile:
     # the AR step on a high-priority stream of its own, the codec's slices beside it (CUDA and
     # a graphed decode only; otherwise serial, logged)
     ar_stream: Literal["serial", "beside"] = "serial"
+    # serial: the GPU frontend's launches on the codec's stream, between its slices; beside: on
+    # a stream of their own, so a launch's small kernels (batch-1 tokenizer and CAM++, 4 ms a
+    # prompt at C32) run beside the flow's instead of between them (CUDA and the PyTorch
+    # frontend only; design.md D34)
+    frontend_stream: Literal["serial", "beside"] = "serial"
 
 
 @dataclass(frozen=True)

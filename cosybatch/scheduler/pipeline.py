@@ -128,7 +128,7 @@ class FastPipeline:
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
         self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch,
-                                  settings.frontend.gather_s)
+                                  settings.frontend.gather_s, self._make_frontend_stream(settings.frontend_stream, on_device))
         self._rows: dict[str, _Row] = {}
         self._added: dict[str, float] = {}  # host time each request was added, until admitted
         # finished rows' lives since the window began (the latest ones: bounded for long runs)
@@ -157,6 +157,19 @@ class FastPipeline:
             log.info("scheduler.ar_stream=beside needs CUDA and a graphed AR decode; the AR step runs serial")
             return None
         return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes
+
+    def _make_frontend_stream(self, mode: str, on_device: bool):
+        """``scheduler.frontend_stream=beside`` (design.md D34): every GPU frontend launch on a
+        stream of its own, at the codec's priority. A launch is self-contained on the device
+        (inputs from pinned host memory, results copied back to it, read once its event has
+        completed) and its graphs have a pool of their own, so nothing orders it against the
+        other streams. Serial elsewhere."""
+        if mode != "beside":
+            return None
+        if not on_device:
+            log.info("scheduler.frontend_stream=beside needs the GPU frontend; its launches run serial")
+            return None
+        return torch.cuda.Stream(device=self.device)
 
     def _on_ar(self):
         """Where the AR engine's kernels go: its own stream (beside), else the current one."""

@@ -12,11 +12,14 @@ that fails alone fails its row.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from cosybatch.scheduler.protocol import SynthRequest
 from cosybatch.scheduler.accounting import Accounting
@@ -25,8 +28,11 @@ from cosybatch.scheduler.policy import launch_prompts
 
 class PromptWork:
     def __init__(self, frontend, workers: int, on_device: bool, acct: Accounting, batch: int = 1,
-                 gather_s: float = 0.0):
+                 gather_s: float = 0.0, stream=None):
         self.frontend = frontend
+        # the CUDA stream every frontend launch goes on (``scheduler.frontend_stream=beside``),
+        # or None: the current one. All of them, so its graphs replay on one stream only.
+        self.stream = stream
         self.on_device = on_device  # the frontend's models run here, batched (else in the workers)
         self.acct = acct
         self.batch = batch  # prompts per launch while the engine has as many rows queued
@@ -116,7 +122,8 @@ class PromptWork:
         """Compute and cache the features of these prompts now, in batches (``profile
         --warm-prompts``); returns the number of distinct paths."""
         paths = list(dict.fromkeys(str(p) for p in wav_paths))
-        self.frontend.features(list(self._pool.map(self.frontend.load, paths)))  # batched by the frontend
+        with self._on_stream():
+            self.frontend.features(list(self._pool.map(self.frontend.load, paths)))  # batched by the frontend
         return len(paths)
 
     def close(self) -> None:
@@ -148,15 +155,19 @@ class PromptWork:
                 self._busy_s += time.perf_counter() - t0
         return loaded, text
 
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def _launch(self, ready: list) -> None:
         """The frontend's models for every newly loaded prompt, as one batched slice (rows need
         their speech tokens on the host, so its results are copied back)."""
-        t = self.acct.start("frontend")
-        try:
-            pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
-        except Exception:
-            pending = None  # _read redoes it prompt by prompt
-        self.acct.end(t, size=len(ready))
+        with self._on_stream():  # the slice's events too: it is timed on its stream
+            t = self.acct.start("frontend")
+            try:
+                pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
+            except Exception:
+                pending = None  # _read redoes it prompt by prompt
+            self.acct.end(t, size=len(ready))
         self._launched.append((ready, pending))
 
     def _read(self, ready: list, pending: Any, failed: list) -> list:
@@ -170,7 +181,8 @@ class PromptWork:
         out = []
         for req, loaded, text in ready:
             try:
-                out.append((req, self.frontend.features([loaded])[0], text))
+                with self._on_stream():
+                    out.append((req, self.frontend.features([loaded])[0], text))
             except Exception as e:
                 failed.append((req.request_id, e))
         return out

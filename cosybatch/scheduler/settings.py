@@ -65,4 +65,6 @@ class RunSettings:
     # "serial": the AR step and the codec on one stream; "beside": the AR step on a
     # high-priority stream of its own (design.md D22; CUDA with a graphed decode only)
     ar_stream: str = "serial"
+    # "beside": the GPU frontend's launches on a stream of their own (design.md D34)
+    frontend_stream: str = "serial"
     text: TextSettings = TextSettings()
