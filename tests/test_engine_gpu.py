@@ -152,9 +152,34 @@ def test_prefills_riding_along_decode_steps_give_the_tokens_alone_gpu(big_lm, re
     _free(alone_eng)
     eng = _engine(big_lm, max_num_seqs=4, mixed_prefill=True)
     got = run_together(eng, reqs, list(range(len(reqs))))
-    mixed = eng.stats.mixed_steps
+    mixed, mg = eng.stats.mixed_steps, eng.runner.mixed_graphs
+    print(f"mixed steps {mixed}: {mg.replays} replayed from {len(mg.pairs)} graphs, {mg.eager} eager")
     _free(eng)
-    assert got == alone and mixed > 0
+    assert got == alone and mixed > 0 and mg.replays + mg.eager == mixed
+
+
+def test_a_graphed_mixed_step_gives_the_eager_logits_gpu(big_lm, reqs):
+    """``engine/mixed_graphs.py`` on CUDA at full size: a mixed step's pair captured at its
+    second use and replayed gives the first (eager) use's logits bit for bit."""
+    eng = _engine(big_lm, max_num_seqs=4, mixed_prefill=True)
+    eng.add_request(**reqs[0], request_id="x")
+    eng.step()
+    eng.step()
+    eng.add_request(**reqs[1], request_id="y")
+    plan = eng.scheduler.schedule()
+    assert plan.kind == "mixed" and len(plan.decode) == 1
+    runner = eng.runner
+    for s in plan.seqs:
+        runner.bind(s, s.row)
+    mg = runner.mixed_graphs
+    inp, last = runner.executor.prefill_inputs(plan.seqs)
+    with torch.inference_mode():
+        want = mg.run(1, inp, last).clone()
+        got = mg.run(1, inp, last).clone()
+    pairs, replays = mg.pairs, mg.replays
+    _free(eng)
+    assert len(pairs) == 1 and replays == 1
+    assert torch.equal(got, want)
 
 
 def test_decode_steps_are_fully_graphed(big_lm):

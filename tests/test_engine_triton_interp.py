@@ -293,13 +293,66 @@ def test_a_prefill_riding_along_the_decode_step_leaves_every_row_its_tokens():
     inp, last = ex.prefill_inputs(plan.seqs)
     inp, last = h2d(inp, device=ex.device), h2d(last, torch.long, ex.device)
     with torch.inference_mode():
-        mixed, dec, pre = ex.mixed_from(1, inp, last), ex.decode(1), ex.prefill_from(inp, last)
+        mixed, dec, pre = ex.mixed_from(torch.arange(1), inp, last), ex.decode(1), ex.prefill_from(inp, last)
         assert torch.equal(mixed[:1], dec) and torch.equal(mixed[1:], pre)
         ex.prefill_tiles = "prefill"  # a prefill on its own tiles would not be what the mixed step gives
         assert not torch.equal(mixed[1:], ex.prefill_from(inp, last))
     # the torch executor has no mixed step: the setting leaves it as it was
     assert not LLMEngine(lm, engine_config(max_num_seqs=2, max_model_len=256, kv_block_size=16, executor="torch",
                                            mixed_prefill=True)).scheduler.mixed
+
+
+class _RecordingPool:
+    """A graph pool without CUDA: "capturing" runs the function once (the warm-up on the
+    padding the static buffer holds) and a replay runs it again on whatever the buffer holds
+    then, as a replayed graph reads its static inputs."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn, warmup: int = 1):
+        for _ in range(warmup):
+            fn()
+        self.captured += 1
+
+        class _Graph:
+            def replay(self):
+                fn()
+        return _Graph(), None
+
+
+def test_a_graphed_mixed_step_gives_the_eager_logits():
+    """``engine/mixed_graphs.py``: a mixed step replayed from its pair's static buffer -- the
+    decode rows padded to the decode bucket with the scratch row, the prompt tokens to the
+    token bucket, the last-token indices to ``MAX_SEQS`` -- gives the eager step's logits bit
+    for bit (padding inert), captured at the pair's second use; the capture's warm-up on
+    padding alone writes nothing a row reads."""
+    from cosybatch.engine.mixed_graphs import MixedGraphs
+
+    lm = random_lm(SMALL, seed=4)
+    reqs = _requests()[:3]
+    e = _engine(lm, 4, mixed_prefill=True)
+    e.add_request(**reqs[1], request_id="x")
+    e.step()
+    e.step()
+    e.add_request(**reqs[2], request_id="y")
+    plan = e.scheduler.schedule()
+    assert plan.kind == "mixed" and len(plan.decode) == 1
+    for s in plan.seqs:
+        e.runner.bind(s, s.row)
+    ex = e.runner.executor
+    inp, last = ex.prefill_inputs(plan.seqs)
+    pool = _RecordingPool()
+    mg = MixedGraphs(ex, e.runner.num_rows, decode_buckets=(2, 4), token_buckets=(inp.shape[1] + 7, 512), pool=pool)
+    with torch.inference_mode():
+        want = mg.run(1, inp, last)
+        assert mg.eager == 1 and mg.pairs == () and pool.captured == 0
+        got = mg.run(1, inp, last)
+        assert mg.pairs == ((2, inp.shape[1] + 7),) and mg.replays == 1 and pool.captured == 1
+        assert got.shape == want.shape == (2, ex.head.shape[0])
+        assert torch.equal(got, want)
+        # and the runner's own: its mixed step goes through the same class
+        assert isinstance(e.runner.mixed_graphs, MixedGraphs) and e.runner.mixed_graphs.pairs == ()
 
 
 def test_decode_step_launch_census():

@@ -46,9 +46,16 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     rows = fixture_rows(fixtures_dir)
     stream = mode == "streaming"
     chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])
-    stages = pipe.timeline()["row_stages_ms"]
+    tl = pipe.timeline()
+    stages = tl["row_stages_ms"]
+    prefilled = pipe.engine.stats.prefill_seqs  # a row's segments prefill one after another
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())
+    # by tenth: every row's prompt loaded once, every segment prefilled once
+    tenths = tl["by_tenth"]
+    assert sum(tenths["marks"]["prompts_loaded"]) == len(rows), tenths["marks"]
+    assert sum(tenths["size"]["ar_prefill"]) == prefilled >= len(rows), tenths["size"]
+    assert sum(tenths["count"]["ar_prefill"]) == tl["batches"]["prefill_calls"], tenths["count"]
     if host_beside:  # AR steps were collected between codec slices
         assert True in turns, turns
     assert bool(held) == (timeline == PREFILL_BATCHING)

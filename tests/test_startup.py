@@ -214,6 +214,9 @@ class _Executor:
     def prefill_from(self, inp, last):
         return inp[0].float().sum().expand(len(last), 8).clone()
 
+    def mixed_from(self, drows, inp, last):
+        return torch.cat([drows.float().unsqueeze(1).expand(-1, 8), self.prefill_from(inp, last)])
+
 
 def test_lazy_prefill_buckets_are_captured_at_their_second_use():
     from cosybatch.engine.prefill_graphs import PrefillGraphs
@@ -239,6 +242,30 @@ def test_a_failed_lazy_prefill_capture_is_not_tried_again():
     for _ in range(4):
         pg.run(inp, [99])
     assert len(pool.captured) == 1 and pg.eager == 4 and pg.buckets == ()
+
+
+def test_mixed_step_pairs_are_captured_at_their_second_use_and_the_rest_run_eager():
+    """``MixedGraphs``: a (decode bucket, token bucket) pair is captured at its second use and
+    replayed from then on; a step beyond the buckets or of more than ``MAX_SEQS`` new sequences
+    runs eager, and so does a pair whose capture failed, which is not tried again."""
+    from cosybatch.engine.mixed_graphs import MAX_SEQS, MixedGraphs
+
+    pool = _Pool(fail={1})
+    mg = MixedGraphs(_Executor(), scratch_row=4, decode_buckets=(2, 4), token_buckets=(128,), pool=pool)
+    inp = torch.ones(5, 100, dtype=torch.long)
+    first = mg.run(1, inp, [99])
+    assert mg.eager == 1 and mg.pairs == ()
+    second = mg.run(1, inp, [99])
+    assert mg.pairs == ((2, 128),) and mg.replays == 1 and torch.equal(first, second)
+    mg.run(3, inp, [99])  # (4, 128): eager, then its capture fails
+    mg.run(3, inp, [99])
+    mg.run(3, inp, [99])
+    assert mg.pairs == ((2, 128),) and len(pool.captured) == 2 and mg.eager == 4
+    mg.run(5, inp, [99])  # more rows than the largest bucket
+    mg.run(1, torch.ones(5, 200, dtype=torch.long), [199])  # more tokens
+    mg.run(1, inp, list(range(MAX_SEQS + 1)))  # more new sequences
+    assert mg.eager == 7 and mg.replays == 1
+    assert MixedGraphs(_Executor(), 4, (2,), (128,), pool, graphed=False)._pair(1, 100, 1) is None
 
 
 # ---------------------------------------------------------------- on a GPU -----------------

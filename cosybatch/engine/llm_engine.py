@@ -183,6 +183,11 @@ class LLMEngine:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    @property
+    def prefilling(self) -> int:
+        """Sequences the step in flight prefills (0 for a decode step or none in flight)."""
+        return 0 if self._inflight is None or self._inflight[0].kind == "decode" else len(self._inflight[0].seqs)
+
     def step_done(self) -> bool:
         """Whether the step in flight has finished on the device (never blocks)."""
         return self._inflight is None or self.runner.step_done()

@@ -18,6 +18,7 @@ from cosybatch.gpu.cuda_graphs import GraphPool
 from cosybatch.engine import rng
 from cosybatch.engine.config import EngineConfig
 from cosybatch.engine.kv_cache import PagedKVCache, plan_num_blocks
+from cosybatch.engine.mixed_graphs import MixedGraphs
 from cosybatch.engine.prefill_graphs import PrefillGraphs, token_buckets
 from cosybatch.engine.request import Sequence
 from cosybatch.engine.sampler import SamplerState, padded_vocab
@@ -94,6 +95,12 @@ class ModelRunner:
         elif self.graphed:  # lazy: each bucket when the run first needs it (``decode_launch``, ``PrefillGraphs.run``)
             self._prefill_graphs(capture=False)
             self.reset_rows()
+        # mixed steps (design.md D33): each pair of buckets captured at its second use, always lazily
+        # (few of the pairs a run could meet are met); eager without graphs
+        self.mixed_graphs: MixedGraphs | None = None
+        if self.mixes:
+            self.mixed_graphs = MixedGraphs(self.executor, self.num_rows, cfg.buckets(), self._token_buckets(),
+                                            self._graph_pool, graphed=self.graphed)
 
     # ---------------------------------------------------------------- rows
 
@@ -176,12 +183,12 @@ class ModelRunner:
     def mixed_launch(self, decoding: list[Sequence], seqs: list[Sequence]) -> None:
         """Enqueue one decode step of ``decoding`` (rows 0..b-1) with the prefill of the newly
         admitted ``seqs`` (rows b..) in one forward (design.md D33); ``collect`` returns the
-        decode rows' ids, then the new rows' first ids. Eager: its token count varies."""
+        decode rows' ids, then the new rows' first ids. From a graph per pair of buckets once
+        the pair comes back (``mixed_graphs``), else eager."""
         b, n = len(decoding), len(decoding) + len(seqs)
         for s in seqs:
             self.bind(s, s.row)
-        inp, last = self.executor.prefill_inputs(seqs)
-        logits = self.executor.mixed_from(b, h2d(inp, device=self.device), h2d(last, torch.long, self.device))
+        logits = self.mixed_graphs.run(b, *self.executor.prefill_inputs(seqs))
         r = self.rows
         n_gen = torch.cat([r.n_gen[:b], torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
         toks = self._sample_record(logits, slice(0, n), n_gen)
@@ -285,11 +292,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.reset_rows()
 
-    def _prefill_graphs(self, capture: bool) -> None:
+    def _token_buckets(self) -> tuple[int, ...]:
+        """The prompt-token buckets graphed prefills (and mixed steps) replay."""
         largest = min(self.cfg.prefill_graph_tokens, self.cfg.max_prefill_tokens)
-        if largest > 0:
+        return token_buckets(largest) if largest > 0 else ()
+
+    def _prefill_graphs(self, capture: bool) -> None:
+        if self._token_buckets():
             self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows,
-                                                token_buckets(largest), self._graph_pool, capture=capture)
+                                                self._token_buckets(), self._graph_pool, capture=capture)
 
     @torch.inference_mode()
     def _capture_bucket(self, b: int, warmup: int = 1) -> None:

@@ -158,18 +158,19 @@ class TritonExecutor:
                            self.embed_speech[torch.where(sp, ids, 0)],
                            self.embed_text[torch.where(sp, 0, ids)]).contiguous()
 
-    def mixed_from(self, b: int, inp: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Logits [b + len(last), Vp]: rows 0..b-1's decode token (from device state, as
-        ``decode``) and a prefill laid out by ``prefill_inputs`` (of rows after them), in one
-        forward on the decode phase's tiles (design.md D33). Every kernel computes a token
-        alone -- the matmuls on tiles that do not depend on the token count, the norms and the
-        attention per token -- so each row's logits are those of a decode step or a prefill of
-        its own."""
-        r = self.rows
-        x = torch.cat([self.embed_speech[r.tok[:b]], self._prefill_embeddings(inp)])
-        pos = torch.cat([r.pos[:b], inp[2]])
-        h = self._forward(x, pos, torch.cat([self._arange[:b], inp[3]]), torch.cat([self._decode_slots(b), inp[4]]),
-                          "decode")
+    def mixed_from(self, drows: torch.Tensor, inp: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Logits [len(drows) + len(last), Vp]: the decode token of each row in ``drows`` (from
+        device state, as ``decode``) and a prefill laid out by ``prefill_inputs`` (of other
+        rows), in one forward on the decode phase's tiles (design.md D33); on the device only
+        (graph-capturable: ``mixed_graphs`` pads ``drows`` with the scratch row). Every kernel
+        computes a token alone -- the matmuls on tiles that do not depend on the token count,
+        the norms and the attention per token -- so each row's logits are those of a decode step
+        or a prefill of its own."""
+        r, b = self.rows, drows.shape[0]
+        x = torch.cat([self.embed_speech[r.tok[drows]], self._prefill_embeddings(inp)])
+        pos = r.pos[drows]
+        h = self._forward(x, torch.cat([pos, inp[2]]), torch.cat([drows, inp[3]]),
+                          torch.cat([self._slots(pos, r.block_tables[drows]), inp[4]]), "decode")
         pick = torch.cat([self._arange[:b], last + b])
         return self._logits(h.index_select(0, pick).contiguous())
 
@@ -186,10 +187,14 @@ class TritonExecutor:
         return self._logits(h)
 
     def _decode_slots(self, b: int) -> torch.Tensor:
-        """The cache slot of rows 0..b-1's next token (from their block tables and positions)."""
-        r, bs = self.rows, self.cache.block_size
-        pos = r.pos[:b]
-        blk = r.block_tables[:b].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
+        """The cache slot of rows 0..b-1's next token."""
+        return self._slots(self.rows.pos[:b], self.rows.block_tables[:b])
+
+    def _slots(self, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The cache slot of a token at each position ``pos`` of the row whose block table is
+        the same row of ``tables``."""
+        bs = self.cache.block_size
+        blk = tables.gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
         return blk.squeeze(1).long() * bs + pos % bs
 
     def warmup(self, buckets) -> None:

@@ -262,22 +262,23 @@ class FastPipeline:
     def _graph_stats(self) -> dict:
         """Each CUDA-graph cache's counters since start-up: hit rate, captures, pool memory."""
         flow, hift = self.codec.flow.graphs, self.codec.hift.graphs
-        pg = self.engine.runner.prefill_graphs
+        pg, mg = self.engine.runner.prefill_graphs, self.engine.runner.mixed_graphs
         stats = getattr(self.frontend, "graph_stats", lambda: None)()
         return {"flow": flow.stats.as_dict() if flow is not None else None,
                 "hift": hift.stats.as_dict() if hift is not None else None,
                 "frontend": stats,
-                "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None}
+                "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None,
+                "mixed": {"pairs": len(mg.pairs), "replays": mg.replays, "eager": mg.eager} if mg else None}
 
     def _counters(self) -> dict[str, int]:
         """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""
         fs = self.codec.flow.stats
         es = self.engine.stats
-        pg = self.engine.runner.prefill_graphs
+        graphed = sum(g.replays for g in (self.engine.runner.prefill_graphs, self.engine.runner.mixed_graphs) if g)
         return {"flow_calls": fs["calls"], "flow_jobs": fs["jobs"], "flow_tokens": fs["tokens"],
                 "flow_padded": fs["padded_tokens"], "flow_attn_pairs": fs["attn_pairs"], **self.codec.counts,
                 "prefill_calls": es.prefill_steps, "prefill_seqs": es.prefill_seqs, "prefill_mixed": es.mixed_steps,
-                "prefill_graphed": pg.replays if pg is not None else 0, "audio_samples": self._audio_samples}
+                "prefill_graphed": graphed, "audio_samples": self._audio_samples}
 
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
@@ -413,7 +414,6 @@ class FastPipeline:
         kind = ("ar_mixed" if sch.mixed and sch.running else "ar_prefill") if sch.can_admit() else "ar_decode"
         # on the AR stream, the accounting's events too (an AR slice is timed on its stream);
         # a failure is handled after it, since failing rows releases codec state
-        seqs = self.engine.stats.prefill_seqs
         with self._on_ar():
             t = self.acct.start(kind)
             try:
@@ -426,7 +426,7 @@ class FastPipeline:
                 else:
                     self.acct.end(t)
             else:
-                self.acct.end(t, size=self.engine.stats.prefill_seqs - seqs)  # rows prefilled (0: a decode step)
+                self.acct.end(t, size=self.engine.prefilling)
         if isinstance(err, RequestFailed):  # the engine dropped that one request and goes on
             self._fail_request(err)
             return True
