@@ -420,3 +420,26 @@ def test_frontend_device_and_precision():
     assert cuda_codec().hift_graph_options() is None and cuda_codec().hift_frame_bucket is None
     assert cuda_codec("optimizations.hift_frame_bucket=32").hift_frame_bucket == 32
     assert codec().hift_frame_bucket is None
+
+
+def test_gemm_sm_carveout_reaches_cublas_on_cuda_only(monkeypatch):
+    """``scheduler.gemm_sm_carveout`` (design.md D35): off by default; on CUDA it becomes the
+    process's cuBLAS SM carveout, set with the other process-wide switches; a CPU run ignores it."""
+    import torch
+
+    from cosybatch.gpu import runtime
+    from cosybatch.models.config import ModelConfig
+    from cosybatch.profiles.resolve import resolve
+
+    cfg, cuda, cpu = ModelConfig(), torch.device("cuda"), torch.device("cpu")
+    assert resolve(load_profile("default"), cfg, cuda).process.gemm_sm_carveout is None
+    on = load_profile("packed_streaming", ["scheduler.gemm_sm_carveout=8"])
+    assert resolve(on, cfg, cuda).process.gemm_sm_carveout == 8
+    assert resolve(on, cfg, cpu).process.gemm_sm_carveout is None
+    assert err("default", ["scheduler.gemm_sm_carveout=0"]) == \
+        "--set scheduler.gemm_sm_carveout=0: scheduler.gemm_sm_carveout: must be from 1 to 64 or null, got 0"
+    calls = []
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", calls.append, raising=False)
+    runtime.apply_process_settings(runtime.ProcessSettings())
+    runtime.apply_process_settings(resolve(on, cfg, cuda).process)
+    assert calls == [8]

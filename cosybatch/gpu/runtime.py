@@ -20,6 +20,7 @@ class ProcessSettings:
     intra_op_threads: int | None = None  # None: leave torch's default
     cudnn_tf32: bool | None = None  # float32 convolutions on TF32 tensor cores (CUDA only)
     matmul_tf32: bool | None = None  # float32 matmuls on TF32 tensor cores (CUDA only)
+    gemm_sm_carveout: int | None = None  # SMs cuBLAS(Lt) GEMMs leave free (CUDA only); None: none
 
 
 def triton_available() -> bool:
@@ -43,6 +44,16 @@ def apply_process_settings(s: ProcessSettings) -> None:
         torch.backends.cuda.matmul.allow_tf32 = s.matmul_tf32
     if s.cudnn_tf32 is not None or s.matmul_tf32 is not None:
         log.info("float32 on CUDA: convolutions %s, matmuls %s", _tf32(s.cudnn_tf32), _tf32(s.matmul_tf32))
+    if s.gemm_sm_carveout is not None:
+        # PyTorch's switch for cuBLASLt's SM count target (the matmuls it routes there, which
+        # include linear layers with a bias); kept by the graphs captured after it
+        set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if set_carveout is None:
+            log.warning("this PyTorch cannot leave SMs free for other streams' kernels: "
+                        "scheduler.gemm_sm_carveout is ignored")
+        else:
+            set_carveout(s.gemm_sm_carveout)
+            log.info("cuBLAS GEMMs leave %d SMs free", s.gemm_sm_carveout)
 
 
 @contextmanager

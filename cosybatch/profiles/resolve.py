@@ -104,7 +104,8 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
     # oversubscribe the CPU that kernel launches need. HiFT's are the only float32 cuDNN
     # convolutions (flow bf16, F0 float64, LM Triton), so the cuDNN switch is HiFT's.
     process = ProcessSettings(intra_op_threads=1 if cuda and c.frontend_workers > 1 else None,
-                              cudnn_tf32=c.hift_tf32 if cuda else None)
+                              cudnn_tf32=c.hift_tf32 if cuda else None,
+                              gemm_sm_carveout=profile.scheduler.gemm_sm_carveout if cuda else None)
     return RunSettings(engine=engine_config(profile.ar, cuda_graphs=profile.ar.cuda_graphs and cuda), codec=codec, process=process,
                        streaming=profile.mode == "streaming", hops=resolve_hops(profile.hops, cfg.chunk_size),
                        sampling=resolve_sampling(profile.sampling, cfg.llm.sampling),

@@ -113,6 +113,11 @@ class SchedulerProfile:
     # prompt at C32) run beside the flow's instead of between them (CUDA and the PyTorch
     # frontend only; design.md D34)
     frontend_stream: Literal["serial", "beside"] = "serial"
+    # SMs the cuBLAS GEMMs (the flow's, the frontend's) leave free, process-wide (null: none).
+    # Beside the codec an AR decode step took 5.0 ms against 1.45 alone (H200, seed C32): each
+    # of its ~220 small kernels waits for SMs the flow's GEMM blocks hold. Experimental
+    # (design.md D35): the flow's GEMMs then run on fewer SMs; the Triton kernels take them all.
+    gemm_sm_carveout: int | None = None
 
 
 @dataclass(frozen=True)
@@ -398,6 +403,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.flow_graph_precapture": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
+    "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
     "codec.first_wait_ms": (lambda v: v >= 0, "must be >= 0"),
