@@ -360,6 +360,9 @@ def test_slice_settings_reach_the_timeline_limits():
     assert resolve(load_profile("default"), cfg, cpu).frontend_stream == "serial"
     assert resolve(load_profile("default", ["scheduler.frontend_stream=beside"]), cfg, cpu).frontend_stream == "beside"
     assert "one of 'serial', 'beside'" in err("default", ["scheduler.frontend_stream=side"])
+    # HiFT's calls: likewise (design.md D36)
+    assert resolve(load_profile("default"), cfg, cpu).hift_stream == "serial"
+    assert resolve(load_profile("default", ["scheduler.hift_stream=beside"]), cfg, cpu).hift_stream == "beside"
     assert err("packed_streaming", ["codec.first_wait_ms=-1"]) == \
         "--set codec.first_wait_ms=-1: codec.first_wait_ms: must be >= 0, got -1.0"
 

@@ -398,3 +398,67 @@ def test_row_stages_are_the_spans_between_a_rows_host_times():
     assert got["decoding"] == {"p50": 1300.0, "mean": 1300.0}
     # a row without a time (its first hop was never queued) leaves the stages that need it
     assert set(row_stages([{"added": 0.0, "admitted": 0.5}])) == {"prompt"}
+
+
+def test_hift_beside_waits_for_its_mels_solves_and_keeps_their_memory(monkeypatch):
+    """``scheduler.hift_stream=beside`` (design.md D36): before a HiFT call its stream waits for
+    the event recorded after each of its mels' solves (once per event), each mel's memory is
+    recorded as used by that stream (the flow's stream must not hand it out again before HiFT
+    has read it), and the call, its slice and the copies back all run with that stream current."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from cosybatch.scheduler import codec_work
+    from cosybatch.scheduler.accounting import Accounting
+
+    current, log = [None], []
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(codec_work.torch.cuda, "stream", stream)
+
+    class _Stream:
+        def wait_event(self, ev):
+            log.append(("wait", ev))
+
+    class _Mel:
+        shape = (1, 80, 7)
+
+        def __init__(self, name):
+            self.name = name
+
+        def float(self):
+            return self
+
+        def record_stream(self, s):
+            log.append(("record", self.name, s))
+
+    class _Hift:
+        def run(self, jobs):
+            log.append(("run", current[0]))
+            return [torch.zeros(1, 1, 3) for _ in jobs]
+
+    class _Acct(Accounting):
+        def start(self, kind, on_done=None):
+            log.append(("start " + kind, current[0]))
+            return super().start(kind, on_done)
+
+    hs = _Stream()
+    work = codec_work.CodecWork(flow=None, hift=_Hift(), acct=_Acct(torch.device("cpu")), costs=CostModel(),
+                                limits=Limits(streaming=False, budget_ms=4.0, max_jobs=4, max_hift=4),
+                                device=torch.device("cpu"), hift_stream=hs)
+    hop = lambda seg: SimpleNamespace(job=SimpleNamespace(segment_id=seg), row_id=seg, finalize=True)  # noqa: E731
+    e1, e2 = object(), object()
+    work._hift_batch([codec_work._Mel(hop("a"), _Mel("a"), 0.0, e1), codec_work._Mel(hop("b"), _Mel("b"), 0.0, e1),
+                      codec_work._Mel(hop("c"), _Mel("c"), 0.0, e2)])
+    assert log == [("wait", e1), ("wait", e2), ("record", "a", hs), ("record", "b", hs), ("record", "c", hs),
+                   ("start hift", hs), ("run", hs)]
+    assert current[0] is None and [o.row_id for o in work.take_audio()] == ["a", "b", "c"]

@@ -115,4 +115,5 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                                             c.max_wait_ms / 1e3,
                                             None if c.deadline_lead_ms is None else c.deadline_lead_ms / 1e3,
                                             c.deadline_tokens),
-                       ar_stream=profile.scheduler.ar_stream, frontend_stream=profile.scheduler.frontend_stream)
+                       ar_stream=profile.scheduler.ar_stream, frontend_stream=profile.scheduler.frontend_stream,
+                       hift_stream=profile.scheduler.hift_stream)

@@ -113,6 +113,10 @@ class SchedulerProfile:
     # prompt at C32) run beside the flow's instead of between them (CUDA and the PyTorch
     # frontend only; design.md D34)
     frontend_stream: Literal["serial", "beside"] = "serial"
+    # serial: HiFT's calls on the codec's stream, after the flow's; beside: on a stream of their
+    # own, each after the solves that made its mels, so HiFT's kernels (and the host's gaps
+    # between them, eager) overlap the flow's (CUDA only; design.md D36)
+    hift_stream: Literal["serial", "beside"] = "serial"
     # SMs the cuBLAS GEMMs (the flow's, the frontend's) leave free, process-wide (null: none).
     # Beside the codec an AR decode step took 5.0 ms against 1.45 alone (H200, seed C32): each
     # of its ~220 small kernels waits for SMs the flow's GEMM blocks hold. Experimental

@@ -45,6 +45,7 @@ class _Mel:
     hop: QueuedHop
     mel: torch.Tensor  # [1, mel, F] on the device
     ready_at: float = 0.0  # host time its solve was queued
+    done: object = None  # with HiFT on a stream of its own: a CUDA event after its solve's last kernel
 
 
 @dataclass
@@ -89,6 +90,9 @@ class CodecWork:
     _warned: set = field(default_factory=set)
     # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames
     counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames"), 0))
+    # HiFT's calls on a stream of their own (``scheduler.hift_stream=beside``, design.md D36), or
+    # None: on the current one, after the solves that made their mels
+    hift_stream: Any = None
 
     # ------------------------------------------------------------------ queues
 
@@ -196,12 +200,16 @@ class CodecWork:
             self._split_or_fail(a.hops, e, "flow")
             return
         self.active = None
+        done = None
+        if self.hift_stream is not None:  # what HiFT's stream waits for before it reads these mels
+            done = torch.cuda.Event()
+            done.record()
         for h, mel in zip(a.hops, mels):
             q = self.hops.get(h.job.segment_id)
             if q and q[0] is h:
                 q.popleft()
             if h.job.segment_id not in self._dead:
-                self.mels.append(_Mel(h, mel, now))
+                self.mels.append(_Mel(h, mel, now, done))
         self._release_dead()
 
     def _captures(self) -> int:
@@ -222,6 +230,19 @@ class CodecWork:
         self._hift_batch(batch)
 
     def _hift_batch(self, batch: list[_Mel]) -> None:
+        if self.hift_stream is None:
+            self._hift_call(batch)
+            return
+        # Beside: HiFT's stream waits for the solves that made these mels, and each mel's memory
+        # (the flow's stream's) is not handed out again before HiFT's reads of it have run.
+        for ev in {id(m.done): m.done for m in batch if m.done is not None}.values():
+            self.hift_stream.wait_event(ev)
+        for m in batch:
+            m.mel.record_stream(self.hift_stream)
+        with torch.cuda.stream(self.hift_stream):  # the slice's events, the call and the copies back
+            self._hift_call(batch)
+
+    def _hift_call(self, batch: list[_Mel]) -> None:
         frames = sum(m.mel.shape[2] for m in batch)
         c = self.counts
         c["hift_batches"] += 1

@@ -110,16 +110,21 @@ class FastPipeline:
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
                                first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s,
                                deadline_lead_s=sl.deadline_lead_s, deadline_tokens=sl.deadline_tokens)
+        hift_stream = self._side_stream("HiFT", settings.hift_stream)
         with startup.phase("codec"):
             hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
                               max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
                               fused_snake=codec_cfg.triton_kernels, convs=codec_cfg.hift_convs)
             if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
-                n = hift.precapture(codec_cfg.hift_graph_precapture)
+                # on HiFT's stream when it has one, like every later call: the tensors it caches
+                # (ISTFT envelopes) then belong to that stream when they are evicted
+                with torch.cuda.stream(hift_stream) if hift_stream is not None else contextlib.nullcontext():
+                    n = hift.precapture(codec_cfg.hift_graph_precapture)
                 log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
                          len(codec_cfg.hift_graph_precapture))
             flow = FlowRunner.from_config(models.flow, codec_cfg)
-            self.codec = CodecWork(flow, hift, self.acct, CostModel(learn=device.type == "cuda"), limits, device)
+            self.codec = CodecWork(flow, hift, self.acct, CostModel(learn=device.type == "cuda"), limits, device,
+                                   hift_stream=hift_stream)
         if codec_cfg.flow_graphs and codec_cfg.flow_graph_precapture:
             with startup.phase("flow graphs"):
                 self._precapture_flow(flow, codec_cfg.flow_graph_precapture)
@@ -128,7 +133,8 @@ class FastPipeline:
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
         self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch,
-                                  settings.frontend.gather_s, self._make_frontend_stream(settings.frontend_stream, on_device))
+                                  settings.frontend.gather_s,
+                                  self._side_stream("the frontend", settings.frontend_stream, on_device))
         self._rows: dict[str, _Row] = {}
         self._added: dict[str, float] = {}  # host time each request was added, until admitted
         # finished rows' lives since the window began (the latest ones: bounded for long runs)
@@ -158,16 +164,18 @@ class FastPipeline:
             return None
         return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes
 
-    def _make_frontend_stream(self, mode: str, on_device: bool):
-        """``scheduler.frontend_stream=beside`` (design.md D34): every GPU frontend launch on a
-        stream of its own, at the codec's priority. A launch is self-contained on the device
-        (inputs from pinned host memory, results copied back to it, read once its event has
-        completed) and its graphs have a pool of their own, so nothing orders it against the
-        other streams. Serial elsewhere."""
+    def _side_stream(self, what: str, mode: str, possible: bool = True):
+        """A stream of its own at the codec's priority for ``what`` when its setting says beside
+        and the device has streams (``possible``: what else it needs), else None (serial, logged):
+        the GPU frontend's launches (design.md D34: each is self-contained on the device, its
+        inputs from pinned host memory and its results copied back to it, read once its event
+        has completed, its graphs in a pool of their own), HiFT's calls (D36: each waits for the
+        solves that made its mels)."""
         if mode != "beside":
             return None
-        if not on_device:
-            log.info("scheduler.frontend_stream=beside needs the GPU frontend; its launches run serial")
+        if self.device.type != "cuda" or not possible:
+            log.info("%s beside the codec needs CUDA%s; it runs serial", what,
+                     " and the GPU frontend" if what == "the frontend" else "")
             return None
         return torch.cuda.Stream(device=self.device)
 

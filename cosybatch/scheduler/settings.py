@@ -67,4 +67,6 @@ class RunSettings:
     ar_stream: str = "serial"
     # "beside": the GPU frontend's launches on a stream of their own (design.md D34)
     frontend_stream: str = "serial"
+    # "beside": HiFT's calls on a stream of their own, after their mels' solves (design.md D36)
+    hift_stream: str = "serial"
     text: TextSettings = TextSettings()
