@@ -22,6 +22,7 @@
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c64seedset=KEY=VALUE; every *set= step takes several keys joined by "+": K1=V1+K2=V2
+#        besidetests (the GPU tests of the graphed mixed step and of the frontend's / HiFT's streams)
 #        promptaudio (bench_prompt_audio: prompt loading in threads vs helper processes, design.md D32)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
 #        hiftconvs (optimizations.hift_convs: the GPU test of its channels-last decodes, and profile_hift
@@ -67,6 +68,16 @@ busy = [x for x in v if x > 0]  # drop model load / capture idle before the run
 print(f"nvidia-smi utilization.gpu over {len(busy)} busy samples of 100 ms: mean {sum(busy) / max(1, len(busy)):.1f} %")
 PY
   tail -44 "$OUT/profile-$tag.txt"
+  # one line per run in $OUT/summary.txt (a lease's table, whatever else is cut short)
+  python3 - "$OUT" "$tag" <<'PY' | tee -a "$OUT/summary.txt"
+import glob, json, os, sys
+files = sorted(glob.glob(os.path.join(sys.argv[1], "cosybatch-*.json")), key=os.path.getmtime)
+if files:
+    r = json.load(open(files[-1])); tl = r.get("timeline") or {}; b = tl.get("gpu_budget") or {}
+    print(f"{sys.argv[2]}: {r['audio_throughput']:.1f} audio-s/s, first PCM p50 {r['median_ttfp_ms']:.0f} ms, "
+          f"kernel-active {(tl.get('gpu_kernel') or {}).get('kernel_active_share')}, AR step p50 {(tl.get('ar_step_ms') or {}).get('p50')}, "
+          "GPU-ms/audio-s " + " ".join(f"{k} {b.get(k)}" for k in ("wall", "flow_steps", "hift", "ar_decode", "ar_mixed", "prefill", "frontend")))
+PY
 }
 synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (the 1,088 rows), no prompt cache
   local tag=$1 man=${2:-$WL/meta.lst}; shift; shift
@@ -74,7 +85,7 @@ synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (t
   rm -rf /tmp/$tag-out
   ( time timeout 400 $CB synth $man --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet ${SYNTH_ARGS:-} "$@" ) \
     > "$OUT/$tag.txt" 2>&1; echo "rc=$?" >> "$OUT/$tag.txt"; tail -5 "$OUT/$tag.txt"
-  python3 - /tmp/$tag-out/timing.json <<'PY' | tee -a "$OUT/$tag.txt"
+  python3 - /tmp/$tag-out/timing.json "$OUT/summary.txt" "$tag" <<'PY' | tee -a "$OUT/$tag.txt"
 import json, sys; t = json.load(open(sys.argv[1]))["totals"]; tl = t.get("timeline", {})
 print({k: t.get(k) for k in ("ok", "failed", "wall_s", "audio_s", "audio_s_per_s")})
 print("busy", tl.get("busy_share"), "idle", tl.get("gpu_idle_share"), "host", tl.get("host_busy_ms_per_iteration"))
@@ -96,6 +107,10 @@ for label, part, kinds in (("launches", "count", ("frontend", "ar_prefill")), ("
 for k, v in (bt.get("marks") or {}).items():
     print(f"  {k:26s}", " ".join(f"{x:5d}" for x in v))
 print("start-up", t.get("startup"))
+b = tl.get("gpu_budget") or {}
+with open(sys.argv[2], "a") as f:  # one line per run in $OUT/summary.txt
+    f.write(f"{sys.argv[3]}: {t.get('audio_s_per_s'):.1f} audio-s/s, kernel-active {(tl.get('gpu_kernel') or {}).get('kernel_active_share')}, "
+            "GPU-ms/audio-s " + " ".join(f"{k} {b.get(k)}" for k in ("wall", "flow_steps", "captures", "hift", "prefill", "frontend")) + "\n")
 PY
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
 }
@@ -244,6 +259,10 @@ PY
       # one warning per synchronizing call, attributed to the Python line that made it
       grep "synchronizing CUDA operation" "$OUT/syncaudit.txt" | grep -o "[A-Za-z0-9_/.]*\.py:[0-9]*" | sed 's|.*/cosybatch/|cosybatch/|' \
         | sort | uniq -c | sort -rn | head -40 | tee "$OUT/syncaudit-sites.txt" ;;
+    besidetests) log "pytest -m gpu: the graphed mixed step (engine) and the frontend / HiFT beside the codec (pipeline; carry .fixtures)"
+      timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_pipeline_gpu.py \
+        -k "mixed or riding or beside" > "$OUT/beside_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/beside_tests.txt"
+      tail -5 "$OUT/beside_tests.txt" | tee -a "$OUT/summary.txt" ;;
     promptaudio) setup; log "bench_prompt_audio: prompts/s of the frontend workers beside a busy GPU thread, threads vs helper processes"
       timeout 200 python3 scripts/bench_prompt_audio.py --model $CKPT --manifest $WL/meta.lst 2>&1 | tee "$OUT/bench_prompt_audio.txt" | tail -9 ;;
     prefill) log "bench_prefill: prefill GPU time per token bucket under alternative fixed matmul tiles"
