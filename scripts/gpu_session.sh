@@ -261,7 +261,7 @@ PY
         | sort | uniq -c | sort -rn | head -40 | tee "$OUT/syncaudit-sites.txt" ;;
     besidetests) log "pytest -m gpu: the graphed mixed step (engine) and the frontend / HiFT beside the codec (pipeline; carry .fixtures)"
       timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_pipeline_gpu.py \
-        -k "mixed or riding or beside" > "$OUT/beside_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/beside_tests.txt"
+        -k "mixed or riding or matches_official" > "$OUT/beside_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/beside_tests.txt"
       tail -5 "$OUT/beside_tests.txt" | tee -a "$OUT/summary.txt" ;;
     promptaudio) setup; log "bench_prompt_audio: prompts/s of the frontend workers beside a busy GPU thread, threads vs helper processes"
       timeout 200 python3 scripts/bench_prompt_audio.py --model $CKPT --manifest $WL/meta.lst 2>&1 | tee "$OUT/bench_prompt_audio.txt" | tail -9 ;;

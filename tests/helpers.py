@@ -1,6 +1,8 @@
 """Helpers several test modules share: the fixture rows, draining a pipeline, the official outputs,
-running the AR engine alone and together, and a CUDA-graph stand-in."""
+running the AR engine alone and together, a mixed step's plan, a CUDA-graph stand-in and a
+record of which CUDA stream is current."""
 
+import contextlib
 import json
 
 from conftest import ROWS, load_ref
@@ -83,6 +85,38 @@ def run_alone(eng: LLMEngine, reqs: list[dict]) -> list[list[int]]:
         eng.run()
         out.append(eng.seqs[rid].tokens)
     return out
+
+
+def mixed_plan(eng: LLMEngine, decoding: dict, joining: dict):
+    """The plan of a mixed step (design.md D33): ``decoding`` prefilled and decoded once, then
+    ``joining`` admitted beside it (its row bound, as ``mixed_launch`` binds it)."""
+    eng.add_request(**decoding, request_id="x")
+    eng.step()
+    eng.step()
+    eng.add_request(**joining, request_id="y")
+    plan = eng.scheduler.schedule()
+    assert plan.kind == "mixed" and [s.request_id for s in plan.decode] == ["x"]
+    for s in plan.seqs:
+        eng.runner.bind(s, s.row)
+    return plan
+
+
+def record_current_stream(monkeypatch, module) -> list:
+    """Replace ``torch.cuda.stream`` as ``module`` sees it by a context manager that only sets
+    the returned one-item list to the stream it is given (None outside): which stream code
+    would have made current, on a CPU."""
+    current = [None]
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(module.torch.cuda, "stream", stream)
+    return current
 
 
 class FakeCaptured:

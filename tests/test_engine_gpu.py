@@ -23,7 +23,7 @@ from cosybatch.engine import LLMEngine, SamplingParams  # noqa: E402
 from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
-from helpers import run_alone, run_together  # noqa: E402
+from helpers import mixed_plan, run_alone, run_together  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -162,15 +162,8 @@ def test_a_graphed_mixed_step_gives_the_eager_logits_gpu(big_lm, reqs):
     """``engine/mixed_graphs.py`` on CUDA at full size: a mixed step's pair captured at its
     second use and replayed gives the first (eager) use's logits bit for bit."""
     eng = _engine(big_lm, max_num_seqs=4, mixed_prefill=True)
-    eng.add_request(**reqs[0], request_id="x")
-    eng.step()
-    eng.step()
-    eng.add_request(**reqs[1], request_id="y")
-    plan = eng.scheduler.schedule()
-    assert plan.kind == "mixed" and len(plan.decode) == 1
+    plan = mixed_plan(eng, reqs[0], reqs[1])
     runner = eng.runner
-    for s in plan.seqs:
-        runner.bind(s, s.row)
     mg = runner.mixed_graphs
     inp, last = runner.executor.prefill_inputs(plan.seqs)
     with torch.inference_mode():

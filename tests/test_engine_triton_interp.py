@@ -19,6 +19,7 @@ from cosybatch.engine import LLMEngine, SamplingParams  # noqa: E402
 from cosybatch.profiles.resolve import engine_config  # noqa: E402
 from cosybatch.engine import triton_kernels as K  # noqa: E402
 from cosybatch.bench.random_lm import random_lm  # noqa: E402
+from helpers import mixed_plan  # noqa: E402
 
 
 
@@ -281,14 +282,7 @@ def test_a_prefill_riding_along_the_decode_step_leaves_every_row_its_tokens():
     from cosybatch.gpu.hostcopy import h2d
 
     e = _engine(lm, 2, mixed_prefill=True)
-    e.add_request(**reqs[1], request_id="x")
-    e.step()
-    e.step()
-    e.add_request(**reqs[2], request_id="y")
-    plan = e.scheduler.schedule()
-    assert plan.kind == "mixed" and [s.request_id for s in plan.decode] == ["x"]
-    for s in plan.seqs:
-        e.runner.bind(s, s.row)
+    plan = mixed_plan(e, reqs[1], reqs[2])
     ex = e.runner.executor
     inp, last = ex.prefill_inputs(plan.seqs)
     inp, last = h2d(inp, device=ex.device), h2d(last, torch.long, ex.device)
@@ -332,14 +326,7 @@ def test_a_graphed_mixed_step_gives_the_eager_logits():
     lm = random_lm(SMALL, seed=4)
     reqs = _requests()[:3]
     e = _engine(lm, 4, mixed_prefill=True)
-    e.add_request(**reqs[1], request_id="x")
-    e.step()
-    e.step()
-    e.add_request(**reqs[2], request_id="y")
-    plan = e.scheduler.schedule()
-    assert plan.kind == "mixed" and len(plan.decode) == 1
-    for s in plan.seqs:
-        e.runner.bind(s, s.row)
+    plan = mixed_plan(e, reqs[1], reqs[2])
     ex = e.runner.executor
     inp, last = ex.prefill_inputs(plan.seqs)
     pool = _RecordingPool()

@@ -405,25 +405,15 @@ def test_hift_beside_waits_for_its_mels_solves_and_keeps_their_memory(monkeypatc
     the event recorded after each of its mels' solves (once per event), each mel's memory is
     recorded as used by that stream (the flow's stream must not hand it out again before HiFT
     has read it), and the call, its slice and the copies back all run with that stream current."""
-    import contextlib
     from types import SimpleNamespace
 
     import torch
 
     from cosybatch.scheduler import codec_work
     from cosybatch.scheduler.accounting import Accounting
+    from helpers import record_current_stream
 
-    current, log = [None], []
-
-    @contextlib.contextmanager
-    def stream(s):
-        before, current[0] = current[0], s
-        try:
-            yield
-        finally:
-            current[0] = before
-
-    monkeypatch.setattr(codec_work.torch.cuda, "stream", stream)
+    current, log = record_current_stream(monkeypatch, codec_work), []
 
     class _Stream:
         def wait_event(self, ev):
