@@ -284,7 +284,8 @@ def test_profile_smoke_on_the_tiny_fixture(model_dir, tmp_path):
     assert b["hift_batches"] > 0 and b["hift_jobs_per_batch"] >= 1 and b["prefill_seqs_per_call"] >= 1
     assert b["prefill_graph_share"] == 0  # no CUDA: every prefill eager
     assert b["prefill_mixed_share"] == 0  # the CPU's torch executor never mixes
-    assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill"}
+    assert set(doc["timeline"]["graphs"]) == {"flow", "hift", "frontend", "prefill", "mixed"}
+    assert doc["timeline"]["graphs"]["mixed"] is None  # no mixed steps without ar.mixed_prefill
     import pstats
 
     names = {fn for (_, _, fn) in pstats.Stats(str(tmp_path / "host.pstats")).stats}
