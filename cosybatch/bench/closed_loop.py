@@ -286,6 +286,8 @@ def result_table(result: BenchResult, title: str):
             mb = (g.get("pool_bytes") or g.get("pool_reserved_bytes") or 0) / 2**20
             rows.append((f"graphs: {k} hit rate / pool MB (since start-up) / captures in the run",
                          f"{g['hit_rate']:.2f} / {mb:,.0f} / {g.get('captures_in_window', '-')}"))
+        elif g and "replays" in g:  # the AR engine's prefill and mixed steps: replayed / eager calls
+            rows.append((f"graphs: {k} steps replayed / eager", f"{g['replays']} / {g['eager']}"))
     if result.gpu_memory:
         g = result.gpu_memory
         rows.append(("GPU memory peak: allocated / reserved / device (GiB)",
