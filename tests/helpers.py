@@ -101,10 +101,12 @@ def mixed_plan(eng: LLMEngine, decoding: dict, joining: dict):
     return plan
 
 
-def record_current_stream(monkeypatch, module) -> list:
-    """Replace ``torch.cuda.stream`` as ``module`` sees it by a context manager that only sets
-    the returned one-item list to the stream it is given (None outside): which stream code
-    would have made current, on a CPU."""
+def record_current_stream(monkeypatch) -> list:
+    """Replace ``torch.cuda.stream`` by a context manager that only sets the returned one-item
+    list to the stream it is given (None outside): which stream code would have made current,
+    on a CPU."""
+    import torch
+
     current = [None]
 
     @contextlib.contextmanager
@@ -115,7 +117,7 @@ def record_current_stream(monkeypatch, module) -> list:
         finally:
             current[0] = before
 
-    monkeypatch.setattr(module.torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
     return current
 
 

@@ -143,10 +143,9 @@ def test_every_frontend_call_goes_on_the_frontend_stream(monkeypatch):
     of a failed launch and the warm-up all run with the frontend's stream current (its graphs
     must replay on one stream only), and the launch's slice is opened and closed there (its
     events time it on that stream)."""
-    from cosybatch.scheduler import prompt_work
     from helpers import record_current_stream
 
-    current = record_current_stream(monkeypatch, prompt_work)
+    current = record_current_stream(monkeypatch)
 
     class _Fe(_Frontend):
         def __init__(self):

@@ -413,7 +413,7 @@ def test_hift_beside_waits_for_its_mels_solves_and_keeps_their_memory(monkeypatc
     from cosybatch.scheduler.accounting import Accounting
     from helpers import record_current_stream
 
-    current, log = record_current_stream(monkeypatch, codec_work), []
+    current, log = record_current_stream(monkeypatch), []
 
     class _Stream:
         def wait_event(self, ev):

@@ -298,9 +298,10 @@ class ModelRunner:
         return token_buckets(largest) if largest > 0 else ()
 
     def _prefill_graphs(self, capture: bool) -> None:
-        if self._token_buckets():
-            self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows,
-                                                self._token_buckets(), self._graph_pool, capture=capture)
+        buckets = self._token_buckets()
+        if buckets:
+            self.prefill_graphs = PrefillGraphs(self.executor, self.num_rows, self.num_rows, buckets,
+                                                self._graph_pool, capture=capture)
 
     @torch.inference_mode()
     def _capture_bucket(self, b: int, warmup: int = 1) -> None:

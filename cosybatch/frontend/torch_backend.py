@@ -34,7 +34,6 @@ it is not given it is computed here, in float64.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from cosybatch.models.campplus import CAMPPlus
 from cosybatch.models.campplus_fast import CAMPPlusFast
 from cosybatch.models.s3tokenizer import S3TokenizerV3, token_lengths
 from cosybatch.gpu.runtime import float32_math
+from cosybatch.gpu.streams import on_stream
 
 SAMPLE_RATE = 16000
 
@@ -225,7 +225,7 @@ class TorchBackend:
             # side branch starts behind all work queued on ``main`` and ``main`` waits for it
             # before anything else, so memory freed on either side is never still in use.
             self._side.wait_stream(main)
-        with torch.cuda.stream(self._side) if main is not None else contextlib.nullcontext():
+        with on_stream(self._side):
             emb = self.campplus(fbank, fb_dev, padded=pad_fb).float()
             mel, _ = prompt_mel_batch(xm, lm, self.mel_cfg)
         feats, frames_dev = whisper_log_mel_batch(x16, l16, self.n_mels)

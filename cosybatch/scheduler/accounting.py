@@ -166,14 +166,15 @@ class Accounting:
         edges = self._t0 + wall * np.arange(1, 10) / 10
         part_ms = wall * 100.0  # a tenth, in ms
 
-        def shares(times, values) -> list[float]:
+        def sums(times, values) -> np.ndarray:  # ``values`` summed by the tenth of their ``times``
             idx = np.searchsorted(edges, np.asarray(times, dtype=float), side="right")
-            per = np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]
-            return [round(float(v / part_ms), 3) for v in per]
+            return np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]
+
+        def shares(times, values) -> list[float]:
+            return [round(float(v / part_ms), 3) for v in sums(times, values)]
 
         def counts(times, values) -> list[int]:
-            idx = np.searchsorted(edges, np.asarray(times, dtype=float), side="right")
-            return [int(v) for v in np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=10)[:10]]
+            return [int(v) for v in sums(times, values)]
 
         own = np.array(self.host_ms) - np.array(self.wait_ms)
         kinds = [k for k, v in sorted(self.ms.items()) if v]

@@ -17,7 +17,6 @@ Rows are independent: an exception while preparing or running one row becomes th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import zlib
@@ -34,6 +33,7 @@ from cosybatch.hops import Hop, HopSchedule, SegmentPlanner
 from cosybatch.engine.llm_engine import LLMEngine
 from cosybatch.engine.request import RequestFailed, SamplingParams
 from cosybatch.gpu.hostcopy import h2d
+from cosybatch.gpu.streams import on_stream
 from cosybatch.scheduler.settings import RunSettings
 from cosybatch.prompt import PromptFeatures
 from cosybatch.scheduler.protocol import Event, SynthRequest
@@ -96,7 +96,16 @@ class FastPipeline:
         self.startup = startup = startup or StartupClock(device)
         with startup.phase("AR engine"):
             self.engine = LLMEngine(models.llm, settings.engine)
-        self._ar_stream = self._make_ar_stream(settings.ar_stream)
+        # ``scheduler.ar_stream=beside`` (design.md D22): the AR engine's work (prefill, decode,
+        # sampling, row state, the tokens' copy and event) on a high-priority stream of its own,
+        # so a decode step no longer queues behind the codec slices issued before it. Everything
+        # the engine reads on the device is written by the engine itself on that stream (its
+        # inputs come from the host), and the codec reads its tokens on the host, so no event is
+        # needed between the two streams; the decode graphs were captured on a side stream and
+        # replay on whichever stream is current, and they share a memory pool only with the
+        # prefill graphs, which replay on the same stream.
+        self._ar_stream = self._side_stream("scheduler.ar_stream", settings.ar_stream, self.engine.runner.graphed,
+                                            "CUDA and a graphed AR decode", priority=-1)  # the highest PyTorch exposes
         # The host's side of beside: the AR steps go at their own pace, interleaved with the
         # codec's slices (the streams are the device's side).
         self._beside = self._ar_stream is not None
@@ -110,7 +119,9 @@ class FastPipeline:
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
                                first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s,
                                deadline_lead_s=sl.deadline_lead_s, deadline_tokens=sl.deadline_tokens)
-        hift_stream = self._side_stream("HiFT", settings.hift_stream)
+        # ``scheduler.hift_stream=beside`` (design.md D36): HiFT's calls on a stream of their own,
+        # each after the solves that made its mels
+        hift_stream = self._side_stream("scheduler.hift_stream", settings.hift_stream)
         with startup.phase("codec"):
             hift = HiftRunner(models.hift, graphs=codec_cfg.hift_graph_options() or False,
                               max_batch=codec_cfg.max_num_seqs, frame_bucket=codec_cfg.hift_frame_bucket,
@@ -118,7 +129,7 @@ class FastPipeline:
             if codec_cfg.hift_graphs and codec_cfg.hift_graph_precapture:
                 # on HiFT's stream when it has one, like every later call: the tensors it caches
                 # (ISTFT envelopes) then belong to that stream when they are evicted
-                with torch.cuda.stream(hift_stream) if hift_stream is not None else contextlib.nullcontext():
+                with on_stream(hift_stream):
                     n = hift.precapture(codec_cfg.hift_graph_precapture)
                 log.info("HiFT decode graphs captured at start-up: %d of %d shapes", n,
                          len(codec_cfg.hift_graph_precapture))
@@ -132,9 +143,13 @@ class FastPipeline:
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
         on_device = getattr(frontend, "backend", "") == "torch" and device.type == "cuda"
+        # ``scheduler.frontend_stream=beside`` (design.md D34): each launch is self-contained on
+        # the device (inputs from pinned host memory, results copied back to it and read once its
+        # event has completed, its graphs in a pool of their own)
         self.prompts = PromptWork(frontend, settings.frontend_workers, on_device, self.acct, settings.frontend.batch,
                                   settings.frontend.gather_s,
-                                  self._side_stream("the frontend", settings.frontend_stream, on_device))
+                                  self._side_stream("scheduler.frontend_stream", settings.frontend_stream, on_device,
+                                                    "CUDA and the GPU frontend"))
         self._rows: dict[str, _Row] = {}
         self._added: dict[str, float] = {}  # host time each request was added, until admitted
         # finished rows' lives since the window began (the latest ones: bounded for long runs)
@@ -148,40 +163,20 @@ class FastPipeline:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
-    def _make_ar_stream(self, mode: str):
-        """``scheduler.ar_stream=beside`` (design.md D22): the AR engine's work (prefill, decode,
-        sampling, row state, the tokens' copy and event) on a high-priority stream of its own,
-        so a decode step no longer queues behind the codec slices issued before it. Everything
-        the engine reads on the device is written by the engine itself on that stream (its
-        inputs come from the host), and the codec reads its tokens on the host, so no event is
-        needed between the two streams; the decode graphs were captured on a side stream and
-        replay on whichever stream is current, and they share a memory pool only with the
-        prefill graphs, which replay on the same stream. Serial elsewhere."""
-        if mode != "beside":
-            return None
-        if self.device.type != "cuda" or not self.engine.runner.graphed:
-            log.info("scheduler.ar_stream=beside needs CUDA and a graphed AR decode; the AR step runs serial")
-            return None
-        return torch.cuda.Stream(device=self.device, priority=-1)  # -1: the highest PyTorch exposes
-
-    def _side_stream(self, what: str, mode: str, possible: bool = True):
-        """A stream of its own at the codec's priority for ``what`` when its setting says beside
-        and the device has streams (``possible``: what else it needs), else None (serial, logged):
-        the GPU frontend's launches (design.md D34: each is self-contained on the device, its
-        inputs from pinned host memory and its results copied back to it, read once its event
-        has completed, its graphs in a pool of their own), HiFT's calls (D36: each waits for the
-        solves that made its mels)."""
+    def _side_stream(self, key: str, mode: str, possible: bool = True, needs: str = "CUDA", priority: int = 0):
+        """A stream of its own when the setting ``key`` says beside and the device has streams
+        (``possible``: what else it ``needs``), else None: serial, logged. ``priority`` 0 is the
+        codec's."""
         if mode != "beside":
             return None
         if self.device.type != "cuda" or not possible:
-            log.info("%s beside the codec needs CUDA%s; it runs serial", what,
-                     " and the GPU frontend" if what == "the frontend" else "")
+            log.info("%s=beside needs %s; it runs serial", key, needs)
             return None
-        return torch.cuda.Stream(device=self.device)
+        return torch.cuda.Stream(device=self.device, priority=priority)
 
     def _on_ar(self):
         """Where the AR engine's kernels go: its own stream (beside), else the current one."""
-        return torch.cuda.stream(self._ar_stream) if self._ar_stream is not None else contextlib.nullcontext()
+        return on_stream(self._ar_stream)
 
     # ------------------------------------------------------------------ protocol
 

@@ -12,15 +12,13 @@ that fails alone fails its row.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
+from cosybatch.gpu.streams import on_stream
 from cosybatch.scheduler.protocol import SynthRequest
 from cosybatch.scheduler.accounting import Accounting
 from cosybatch.scheduler.policy import launch_prompts
@@ -122,7 +120,7 @@ class PromptWork:
         """Compute and cache the features of these prompts now, in batches (``profile
         --warm-prompts``); returns the number of distinct paths."""
         paths = list(dict.fromkeys(str(p) for p in wav_paths))
-        with self._on_stream():
+        with on_stream(self.stream):
             self.frontend.features(list(self._pool.map(self.frontend.load, paths)))  # batched by the frontend
         return len(paths)
 
@@ -155,13 +153,10 @@ class PromptWork:
                 self._busy_s += time.perf_counter() - t0
         return loaded, text
 
-    def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
     def _launch(self, ready: list) -> None:
         """The frontend's models for every newly loaded prompt, as one batched slice (rows need
         their speech tokens on the host, so its results are copied back)."""
-        with self._on_stream():  # the slice's events too: it is timed on its stream
+        with on_stream(self.stream):  # the slice's events too: it is timed on its stream
             t = self.acct.start("frontend")
             try:
                 pending = self.frontend.launch_features([loaded for _, loaded, _ in ready])
@@ -181,7 +176,7 @@ class PromptWork:
         out = []
         for req, loaded, text in ready:
             try:
-                with self._on_stream():
+                with on_stream(self.stream):
                     out.append((req, self.frontend.features([loaded])[0], text))
             except Exception as e:
                 failed.append((req.request_id, e))
