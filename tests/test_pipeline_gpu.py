@@ -91,7 +91,8 @@ def _run(pipe, rows, stream, concurrency):
 @pytest.mark.parametrize("beside", [None, "frontend_stream", "hift_stream"])
 def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_dir, mode, beside):
     """The fast pipeline in float32 on CUDA gives the official tokens and waves, HiFT from its
-    graphs (the streaming profiles'; whole responses run it eager by default). And with work
+    graphs, each shape captured when first seen (the streaming profiles' graphs; whole responses
+    run HiFT eager by default, and these few calls would not see a shape three times). And with work
     beside the codec: ``scheduler.frontend_stream=beside`` (design.md D34), the GPU frontend's
     launches on a stream of their own, which nothing orders against the codec's or the AR's
     streams but the host's read of their results; ``scheduler.hift_stream=beside`` (D36), HiFT's
@@ -101,7 +102,8 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
     would change prompts, tokens or waves."""
     stream = mode == "streaming"
     extra = [f"scheduler.{beside}=beside"] if beside else []
-    pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}", "optimizations.hift_graphs=true"] + extra)
+    pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}", "optimizations.hift_graphs=true",
+                                             "optimizations.hift_graph_capture_after=1"] + extra)
     if beside == "frontend_stream":
         assert (pipe.prompts.stream is not None) == (DEV.type == "cuda" and pipe.prompts.on_device)
     if beside == "hift_stream":
