@@ -39,26 +39,29 @@ VARIANTS = {
     "64x128": (64, 128, 64, 4, 3),
     "128x64": (128, 64, 64, 4, 3),
     "64x64": (64, 64, 64, 4, 4),
-    "narrow N 64x64, wide 128x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (128, 128, 64, 8, 3),
-    "narrow N 64x64, wide 64x128": lambda n, k: (64, 64, 64, 4, 4) if n < 2048 else (64, 128, 64, 4, 3),
+    "narrow N 64x64, wide 128x128": lambda n, k, m: (64, 64, 64, 4, 4) if n < 2048 else (128, 128, 64, 8, 3),
+    "narrow N 64x64, wide 64x128": lambda n, k, m: (64, 64, 64, 4, 4) if n < 2048 else (64, 128, 64, 4, 3),
     # One BK for both phases (a prefill riding along a decode step must give a decode token the
     # bits it gets alone): the decode phase's own tiles, and BK 128 under wider tiles. The
     # "vs decode tiles" difference says whether BM and BN alone move a row's bits.
-    "decode's tiles (BK 128)": lambda n, k: SHIPPED("decode", n, k),
+    "decode's narrow tiles (BK 128)": lambda n, k, m: SHIPPED("decode", n, k),
+    # what a prefill on the decode phase gets (ar.mixed_prefill): narrow tiles, wide from
+    # K.WIDE_DECODE_ROWS tokens
+    "decode phase (BK 128)": lambda n, k, m: SHIPPED("decode", n, k, 2, m),
     "128x128, BK 128": (128, 128, 128, 8, 2),
     "64x128, BK 128": (64, 128, 128, 4, 3),
 }
-DECODE_TILES = "decode's tiles (BK 128)"
+DECODE_TILES = "decode's narrow tiles (BK 128)"
 
 
 def tiles_for(variant):
     if variant is None:
         return SHIPPED
 
-    def tiles(phase, n, k, elem_bytes=2):
+    def tiles(phase, n, k, elem_bytes=2, m=0):
         if phase != "prefill":
-            return SHIPPED(phase, n, k, elem_bytes)
-        return variant(n, k) if callable(variant) else variant
+            return SHIPPED(phase, n, k, elem_bytes, m)
+        return variant(n, k, m) if callable(variant) else variant
     return tiles
 
 

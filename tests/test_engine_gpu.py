@@ -68,16 +68,20 @@ def _free(*engines):
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_matmul_rows_do_not_depend_on_the_batch(phase):
+    """A row's bits whatever the batch around it; in the decode phase also across the switch
+    to wide tiles at ``K.WIDE_DECODE_ROWS`` rows (a mixed step or a prefill of many tokens)."""
     g = torch.Generator(device=DEV).manual_seed(0)
+    rows = 700
+    assert K.WIDE_DECODE_ROWS < rows
     for n, k in [(1152, 896), (896, 896), (9728, 896), (896, 4864), (6784, 896)]:
         w = torch.randn(n, k, device=DEV, generator=g).to(torch.bfloat16)
-        x = torch.randn(300, k, device=DEV, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, k, device=DEV, generator=g).to(torch.bfloat16)
         ref = K.matmul(x[7:8].contiguous(), w, phase=phase)
-        for m in (2, 16, 64, 65, 256, 300):
+        for m in (2, 16, 64, 65, 256, 300, K.WIDE_DECODE_ROWS - 1, K.WIDE_DECODE_ROWS, rows):
             y = K.matmul(x[:m].contiguous() if m > 7 else torch.cat([x[7:8], x[:m - 1]]), w, phase=phase)
             row = y[7] if m > 7 else y[0]
             assert torch.equal(row, ref[0]), (n, k, m)
-        perm = torch.randperm(300, device=DEV, generator=g)
+        perm = torch.randperm(rows, device=DEV, generator=g)
         assert torch.equal(K.matmul(x[perm].contiguous(), w, phase=phase), K.matmul(x, w, phase=phase)[perm])
 
 

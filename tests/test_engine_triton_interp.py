@@ -58,6 +58,22 @@ def test_silu_in_the_gate_up_epilogue_is_the_two_kernels_bit_for_bit(dtype):
             assert torch.equal(got, want), (phase, inter)
 
 
+@pytest.mark.parametrize("silu_pairs", [False, True])
+def test_the_decode_phase_wide_tiles_give_the_narrow_tiles_bits(silu_pairs):
+    """From ``K.WIDE_DECODE_ROWS`` rows the decode phase runs on 64x128 tiles (a mixed step or a
+    prefill of many tokens, design.md D33): every row gets the bits the narrow tiles give it in a
+    smaller batch, also with SiLU in the epilogue."""
+    g = torch.Generator().manual_seed(3)
+    m = K.WIDE_DECODE_ROWS + 16
+    assert K.matmul_tiles("decode", 200, 96, 2, m)[1] != K.matmul_tiles("decode", 200, 96, 2, 100)[1]
+    x = torch.randn(m, 96, generator=g).to(torch.bfloat16)
+    w = (torch.randn(200, 96, generator=g) * 0.2).to(torch.bfloat16)
+    wide = K.matmul(x, w, phase="decode", silu_pairs=silu_pairs)
+    narrow = torch.cat([K.matmul(x[i:i + 100].contiguous(), w, phase="decode", silu_pairs=silu_pairs)
+                        for i in range(0, m, 100)])
+    assert torch.equal(wide, narrow)
+
+
 def test_rope_cache_and_paged_attention_match_torch():
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, bs, nb = 4, 2, 16, 16, 8

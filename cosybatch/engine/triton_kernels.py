@@ -2,8 +2,9 @@
 a row's result is computed by one program with a fixed tile shape and a fixed reduction order,
 so it cannot change with the number of rows, their order or their neighbours.
 
-* ``matmul``: y = x @ w.T (+ bias), tiles fixed per phase (decode / prefill) and per weight
-  shape, never per M; no split-K, so each output element sums K in the same order every time.
+* ``matmul``: y = x @ w.T (+ bias), the reduction fixed per phase (decode / prefill) and per
+  weight shape, never per M (the decode phase widens BN for many rows, which moves no bit); no
+  split-K, so each output element sums K in the same order every time.
 * ``rmsnorm`` / ``add_rmsnorm``: one program per row (HF Qwen2 semantics: the residual sum is
   rounded to the activation dtype, the norm is taken in float32, the gain applied after casting).
 * ``rope_cache``: RoPE on q/k of one token, k and v written into their paged-cache slot.
@@ -89,12 +90,27 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-def matmul_tiles(phase: str, n: int, k: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages): a function of the phase, the weight shape and the
-    dtype only, never of M (that is what makes a row's bits independent of the batch)."""
+# From this many rows (tokens) a decode-phase matmul runs on 64x128 tiles instead of narrow N
+# ones: a mixed step or a prefill on the decode phase's tiles (design.md D33) with hundreds of
+# prompt tokens. The crossover of the measured whole-forward times (H200, full-size LM, bf16):
+# 256 tokens 1.48 ms narrow against 1.76 wide, 640 tokens 2.98 against 2.44, 2560 11.3 against 8.8.
+WIDE_DECODE_ROWS = 384
+
+
+def matmul_tiles(phase: str, n: int, k: int, elem_bytes: int = 2, m: int = 0) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages). A row's bits depend on BK, the MMA shape and the
+    order of the K loop, which are functions of the phase, the weight shape and the dtype only,
+    never of M: that is what makes a row's bits independent of the batch. The decode phase widens
+    BN (and the pipeline's depth) for ``m`` >= ``WIDE_DECODE_ROWS`` rows: each output element is
+    still one dot product over K in BK-wide chunks on the same 64-row MMA, only more columns per
+    program, so no bit moves (on an H200 the logits of 256-2560-token prefills on 64x128 and on
+    128x128 tiles at BK 128 equal the narrow tiles' bit for bit; ``tests/test_engine_gpu.py``
+    checks rows of 1 to 700)."""
     wide = elem_bytes >= 4  # float32 tiles take twice the shared memory
     if phase == "prefill":
         return 128, 128, 64, 8, 2 if wide else 3
+    if m >= WIDE_DECODE_ROWS and not wide:
+        return 64, 128, 128, 4, 3
     # decode: weight-streaming bound; narrow N tiles give more programs for the small projections
     bn = 64 if n >= 4096 else 32
     return 64, bn, 128, 4, 2 if wide else 4
@@ -109,7 +125,7 @@ def matmul(x, w, bias=None, out_dtype=None, phase: str = "decode", silu_pairs: b
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n // 2 if silu_pairs else n, dtype=out_dtype or x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = matmul_tiles(phase, n, k, x.element_size())
+    bm, bn, bk, warps, stages = matmul_tiles(phase, n, k, x.element_size(), m)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
