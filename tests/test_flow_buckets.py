@@ -42,6 +42,9 @@ def test_key_set_golden_counts():
     assert [(k["stride"], k["jobs"]) for k in keys if k["stride"] >= 4928] == [(4928, 32), (5824, 32), (6912, 32),
                                                                                 (8192, 32)]
     assert [k["jobs"] for k in keys if k["stride"] == 64] == [1, 2, 4, 8, 16, 32]
+    # a lower bound keeps the buckets from its own stride up: 4,000 tokens round to 4,096
+    ranged = [(k["stride"], k["jobs"]) for k in map(dict, fb.keys(G32, 8192, streaming, min_stride=4000))]
+    assert ranged == [(k["stride"], k["jobs"]) for k in keys if k["stride"] >= 4096] and ranged[0][0] == 4096
     k = keys[0]
     assert k == {"stride": 64, "jobs": 1, "margin": 60, "records": 60, "conv_len": 2 * (30 + 64 + 60) + 1,
                  "pool_seqs": 4 * (1 + 1 + 1) + 1, "self_seqs": 13, "self_max_q": 64}
@@ -179,6 +182,10 @@ def test_every_whole_response_solve_uses_a_key_of_the_set(flow, reference_dir):
         runner.run(jobs)
     biggest = max(dict(k)["stride"] for k in runner.graphs._seen)
     assert runner.graphs._seen <= set(runner.bucket_keys(False, biggest))
+    # captured at first sight, inside the run: logged as such, one entry per bucket
+    log = runner.graphs.stats.capture_log
+    assert len(log) == runner.graphs.stats.captures and not any(startup for *_, startup in log)
+    assert {(s, j) for s, j, _, _ in log} == {(dict(k)["stride"], dict(k)["jobs"]) for k in runner.graphs._seen}
 
 
 @pytest.mark.numeric
@@ -192,6 +199,9 @@ def test_precapture_captures_each_key_once_and_solves_then_capture_nothing(flow,
     assert runner.precapture(keys) == len(keys)
     st = runner.graphs.stats
     assert st.precaptures == st.captures == len(keys) == runner.graphs.capture.calls
+    # each capture logged with its bucket (tokens per branch, jobs), its host time, at start-up
+    assert [(s, j) for s, j, _, _ in st.capture_log] == [(dict(k)["stride"], dict(k)["jobs"]) for k in keys][:32]
+    assert all(ms >= 0 and startup for _, _, ms, startup in st.capture_log)
     assert runner.precapture(keys) == 0  # already there
     got = _drive(runner, streams, max_jobs, seed=8)
     assert st.captures == len(keys) and st.eager_steps == 0 and st.replays == st.steps > 0

@@ -330,6 +330,16 @@ def test_hift_graph_precapture_shapes():
         load_profile("packed_streaming", ["optimizations.hift_graph_precapture=[[1, 96]]"])
 
 
+def test_flow_graph_precapture_range():
+    p = load_profile("default", ["optimizations.flow_graph_precapture=6144", "optimizations.flow_graph_precapture_from=4096"])
+    assert (p.optimizations.flow_graph_precapture, p.optimizations.flow_graph_precapture_from) == (6144, 4096)
+    with pytest.raises(ProfileError, match=r"flow_graph_precapture_from needs optimizations.flow_graph_precapture "
+                                           r"at least as large.*4096.*null"):
+        load_profile("default", ["optimizations.flow_graph_precapture_from=4096"])
+    with pytest.raises(ProfileError, match=r"flow_graph_precapture_from needs"):
+        load_profile("default", ["optimizations.flow_graph_precapture=2048", "optimizations.flow_graph_precapture_from=4096"])
+
+
 def test_hift_tf32_is_explicit():
     assert load_profile("reference").codec.hift_tf32 is False  # the schema default: strict float32
     assert load_profile("default").codec.hift_tf32 is True

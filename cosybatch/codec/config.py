@@ -24,6 +24,7 @@ class CodecConfig:
     flow_graphs: bool  # replay one captured Euler step per layout bucket (CUDA)
     flow_graph_capacity: int
     flow_graph_precapture: int | None  # start-up capture up to this many tokens per branch; None: lazy
+    flow_graph_precapture_from: int  # ... from this many
     hift_graphs: bool
     hift_graph_capacity: int
     hift_graph_counters: int

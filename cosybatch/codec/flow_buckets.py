@@ -105,13 +105,16 @@ def launch_flags(streaming: bool, arena: bool, merges: bool = True) -> list[tupl
     return [(True, True)] if merges else [(True, False), (False, True), (True, True)]
 
 
-def keys(g: Geometry, max_stride: int, flags: list[tuple[bool, bool]]) -> list[tuple]:
+def keys(g: Geometry, max_stride: int, flags: list[tuple[bool, bool]], min_stride: int = 0) -> list[tuple]:
     """Every bucket key (coarse geometry) of solves of at most ``g.max_jobs`` jobs and at most
-    ``max_stride`` tokens per branch, smallest first; ``flags`` from ``launch_flags``."""
+    ``max_stride`` (and at least ``min_stride``) tokens per branch, smallest first; ``flags``
+    from ``launch_flags``."""
     if not g.coarse:
         raise ValueError("only a coarse geometry has a bounded bucket set")
     out = []
     for stride, tokens in strides(max_stride).items():
+        if stride < geometric(min_stride):
+            continue
         # a solve of this stride holds at most ``stride`` tokens, so at most that many jobs
         jobs = sorted({sizes(g, tokens, n, True, True)["jobs"] for n in _pow2_upto(min(g.max_jobs, stride))})
         for j in jobs:

@@ -13,6 +13,7 @@ because of a graph. The capture mechanism is injectable
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -44,6 +45,10 @@ class FlowGraphStats:
     buffer_bytes: int = 0  # static inputs the live entries hold
     pool_bytes: int = 0  # the shared graph pool's growth during captures (CUDA)
     failed_keys: list = field(default_factory=list)
+    # the first LOGGED captures, each [tokens per branch, jobs, host ms, at start-up]: which
+    # buckets a run met that start-up did not capture, and what each cost the thread that owns
+    # the GPU (its queue drained, the GPU idle meanwhile)
+    capture_log: list = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -52,6 +57,18 @@ class FlowGraphStats:
 
     def as_dict(self) -> dict:
         return stats_dict(self)
+
+
+LOGGED = 32
+
+
+def _bucket_label(key: Hashable) -> tuple:
+    """(tokens per branch, jobs) of a bucket key (``flow_buckets.key``); the key itself otherwise."""
+    try:
+        d = dict(key)
+        return d["stride"], d["jobs"]
+    except (TypeError, ValueError, KeyError):
+        return (str(key),)
 
 
 @dataclass
@@ -121,7 +138,7 @@ class FlowGraphs:
         e = self.entry(key, make)
         if e.replay is not None:
             return 0
-        self._capture(key, e)
+        self._capture(key, e, startup=True)
         if e.replay is None:
             return 0
         self.stats.precaptures += 1
@@ -131,8 +148,9 @@ class FlowGraphs:
         self.slots.clear()
         self._sync()
 
-    def _capture(self, key: Hashable, e: _Entry) -> None:
+    def _capture(self, key: Hashable, e: _Entry, startup: bool = False) -> None:
         b = e.buffers
+        t0 = time.perf_counter()
         # The capture's warm-up runs the step for real: keep the state it advances. (Its K/V
         # and trajectory writes are rewritten with the same values by the step that follows.)
         x, step = b.x.clone(), b.step.clone()
@@ -148,6 +166,9 @@ class FlowGraphs:
             self.stats.captures += 1
             if b.x.is_cuda:
                 self.slots.add_pool_bytes(key, max(0, torch.cuda.memory_reserved() - before))
+            if len(self.stats.capture_log) < LOGGED:
+                ms = round(1e3 * (time.perf_counter() - t0), 1)
+                self.stats.capture_log.append([*_bucket_label(key), ms, startup])
         self._sync()
 
     def _sync(self) -> None:

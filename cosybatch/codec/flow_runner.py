@@ -325,9 +325,10 @@ class FlowRunner:
         merges = self.tables.merge and hasattr(self.backend, "prepare_pair")
         return flow_buckets.launch_flags(streaming, self.cache.enabled, merges)
 
-    def bucket_keys(self, streaming: bool, max_stride: int) -> list[tuple]:
-        """Every graph bucket a run's solves of at most ``max_stride`` tokens per branch can use."""
-        return flow_buckets.keys(self.geometry, max_stride, self.bucket_flags(streaming))
+    def bucket_keys(self, streaming: bool, max_stride: int, min_stride: int = 0) -> list[tuple]:
+        """Every graph bucket a run's solves of ``min_stride`` to ``max_stride`` tokens per branch
+        can use."""
+        return flow_buckets.keys(self.geometry, max_stride, self.bucket_flags(streaming), min_stride)
 
     @torch.inference_mode()
     def precapture(self, keys: list[tuple]) -> int:

@@ -203,6 +203,9 @@ class Optimizations:
     # solve first needs it. Needs flow_graphs; a bucket outside the set is still captured at first
     # sight and counted in the timeline's captures_in_window.
     flow_graph_precapture: int | None = None
+    # ... and of at least this many (the buckets a run's solves are sized to, e.g. around
+    # codec.solve_tokens / 2 in whole responses, without the hundred smaller ones)
+    flow_graph_precapture_from: int = 0
     flow_compile: bool = False
     prefix_reuse: bool = False
     prefix_budget_gb: float = 8.0
@@ -406,6 +409,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.hift_frame_bucket": (lambda v: v is None or v >= 1, "must be >= 1"),
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.flow_graph_precapture": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
+    "optimizations.flow_graph_precapture_from": (lambda v: v >= 0, "must be >= 0"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
@@ -462,6 +466,11 @@ def cross_check(p: Profile, who: str) -> None:
     if o.flow_graph_precapture is not None and not o.flow_graphs:
         raise ProfileError(f"{who}: optimizations.flow_graph_precapture needs optimizations.flow_graphs=true, "
                            f"got {at('optimizations.flow_graphs')}")
+    if o.flow_graph_precapture_from and (o.flow_graph_precapture is None
+                                         or o.flow_graph_precapture_from > o.flow_graph_precapture):
+        raise ProfileError(f"{who}: optimizations.flow_graph_precapture_from needs optimizations.flow_graph_precapture "
+                           f"at least as large, got {at('optimizations.flow_graph_precapture_from')} and "
+                           f"{at('optimizations.flow_graph_precapture')}")
     if o.hift_graph_counters < o.hift_graph_capacity:
         raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
                            f"{at('optimizations.hift_graph_capacity')} (every graphed shape keeps a counter)")

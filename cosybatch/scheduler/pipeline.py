@@ -138,7 +138,7 @@ class FastPipeline:
                                    hift_stream=hift_stream)
         if codec_cfg.flow_graphs and codec_cfg.flow_graph_precapture:
             with startup.phase("flow graphs"):
-                self._precapture_flow(flow, codec_cfg.flow_graph_precapture)
+                self._precapture_flow(flow, codec_cfg.flow_graph_precapture, codec_cfg.flow_graph_precapture_from)
         self._token_frames = self.cfg.flow.token_mel_ratio
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
@@ -244,22 +244,23 @@ class FastPipeline:
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
         return out
 
-    def _precapture_flow(self, flow: FlowRunner, max_stride: int) -> None:
-        """Capture every flow bucket this run's solves of at most ``max_stride`` tokens per branch
-        can use, before the first row (design.md D27): logged with the pool memory they hold."""
+    def _precapture_flow(self, flow: FlowRunner, max_stride: int, min_stride: int = 0) -> None:
+        """Capture every flow bucket this run's solves of ``min_stride`` to ``max_stride`` tokens
+        per branch can use, before the first row (design.md D27): logged with the pool memory
+        they hold."""
         if not flow.geometry.coarse:
             log.info("flow graphs: no start-up capture with the %s attention (its buckets follow each solve's "
                      "rows, an unbounded set); each bucket is captured at first sight", flow.backend.name)
             return
-        keys = flow.bucket_keys(self.streaming, max_stride)
+        keys = flow.bucket_keys(self.streaming, max_stride, min_stride)
         if len(keys) > flow.graphs.capacity:
             log.warning("flow graphs: %d buckets up to %d tokens exceed the cache's %d; the first %d are "
                         "captured", len(keys), max_stride, flow.graphs.capacity, flow.graphs.capacity)
             keys = keys[: flow.graphs.capacity]
         n = flow.precapture(keys)
         st = flow.graphs.stats
-        log.info("flow graphs captured at start-up: %d of %d buckets (solves up to %d tokens per branch); "
-                 "pool %.0f MB, buffers %.0f MB", n, len(keys), max_stride, st.pool_bytes / 2**20,
+        log.info("flow graphs captured at start-up: %d of %d buckets (solves of %d to %d tokens per branch); "
+                 "pool %.0f MB, buffers %.0f MB", n, len(keys), min_stride, max_stride, st.pool_bytes / 2**20,
                  st.buffer_bytes / 2**20)
 
     def _graph_stats(self) -> dict:
