@@ -269,7 +269,7 @@ PY
       timeout 300 python3 scripts/bench_prefill.py --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt" | tail -30 ;;
     enginetests) log "pytest -m gpu tests/test_engine_gpu.py"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py ${ENGINE_TESTS:+-k "$ENGINE_TESTS"} > "$OUT/engine_tests.txt" 2>&1
-      echo "rc=$?" >> "$OUT/engine_tests.txt"; grep -E "passed|failed|Error|error" "$OUT/engine_tests.txt" | tail -12 ;;
+      echo "rc=$?" >> "$OUT/engine_tests.txt"; grep -E "passed|failed|Error|error" "$OUT/engine_tests.txt" | tail -12; tail -2 "$OUT/engine_tests.txt" >> "$OUT/summary.txt" ;;
     devices) setup; log "synth --devices all vs --devices 1 (one GPU)"
       head -n 257 $WL/meta.lst > $WL/m256.lst
       for d in 1 all; do rm -rf /tmp/dev-$d

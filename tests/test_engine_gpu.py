@@ -186,11 +186,13 @@ def test_decode_steps_are_fully_graphed(big_lm):
     assert modes == {b: "step" for b in (1, 2, 4, 8)}  # forward + sampling + state update
 
 
-def test_lazy_capture_gives_the_same_tokens_and_captures_only_what_runs(big_lm, reqs, alone_tokens):
+@pytest.mark.parametrize("capture", ["lazy", "warm"])
+def test_lazy_capture_gives_the_same_tokens_and_captures_only_what_runs(big_lm, reqs, alone_tokens, capture):
     """``graph_capture="lazy"``: nothing captured before the first request; a decode bucket is
     captured right after its first (eager) step without stepping the rows twice, a prefill
-    bucket at its second use; the tokens are those of the start-up captures."""
-    eng = _engine(big_lm, max_num_seqs=16, graph_capture="lazy")
+    bucket at its second use; the tokens are those of the start-up captures. ``"warm"``: the
+    same after a start-up decode step and padded prefills that leave no trace in the rows."""
+    eng = _engine(big_lm, max_num_seqs=16, graph_capture=capture)
     assert eng.runner.graphed and not eng.runner.graphs and not eng.runner.prefill_graphs.buckets
     got = run_together(eng, reqs, list(range(len(reqs))))
     modes = dict(eng.runner.graph_modes)

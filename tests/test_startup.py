@@ -233,6 +233,29 @@ def test_lazy_prefill_buckets_are_captured_at_their_second_use():
     assert pg.buckets == (128,) and pg.eager == 2
 
 
+def test_prefill_warm_up_runs_the_smallest_and_largest_bucket_of_padding_and_captures_nothing():
+    """``PrefillGraphs.warm`` (``ar.graph_capture: warm``): each tile set a prefill can take runs
+    once, on padding tokens of the scratch row (text id 0, position 0, slot 0), with every
+    last-token index 0; no graph is captured and no bucket counts as used."""
+    from cosybatch.engine.prefill_graphs import PrefillGraphs
+
+    class Recording(_Executor):
+        calls = []
+
+        def prefill_from(self, inp, last):
+            self.calls.append((inp.clone(), last.clone()))
+            return super().prefill_from(inp, last)
+
+    ex, pool = Recording(), _Pool()
+    pg = PrefillGraphs(ex, scratch_row=4, max_seqs=4, buckets=(128, 256, 512), pool=pool, capture=False)
+    pg.warm()
+    assert [inp.shape[1] for inp, _ in ex.calls] == [128, 512] and not pool.captured
+    for inp, last in ex.calls:
+        assert inp[3].eq(4).all() and inp[[0, 1, 2, 4]].eq(0).all() and last.tolist() == [0] * 4
+    pg.run(torch.ones(5, 100, dtype=torch.long), [99])
+    assert pg.buckets == () and pg.eager == 1  # the warm-up was no use: the bucket still waits for its second
+
+
 def test_a_failed_lazy_prefill_capture_is_not_tried_again():
     from cosybatch.engine.prefill_graphs import PrefillGraphs
 

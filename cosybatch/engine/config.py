@@ -55,8 +55,8 @@ class EngineConfig:
             raise ValueError(f"linear must be triton|torch, got {self.linear!r}")
         if self.prefill_min_rows < 1 or self.prefill_wait_ms < 0:
             raise ValueError(f"prefill_min_rows must be >= 1 and prefill_wait_ms >= 0: {self}")
-        if self.graph_capture not in ("startup", "lazy"):
-            raise ValueError(f"graph_capture must be startup|lazy, got {self.graph_capture!r}")
+        if self.graph_capture not in ("startup", "lazy", "warm"):
+            raise ValueError(f"graph_capture must be startup|lazy|warm, got {self.graph_capture!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 

@@ -94,6 +94,8 @@ class ModelRunner:
             self.capture_graphs()
         elif self.graphed:  # lazy: each bucket when the run first needs it (``decode_launch``, ``PrefillGraphs.run``)
             self._prefill_graphs(capture=False)
+            if cfg.graph_capture == "warm":
+                self.warm_kernels()
             self.reset_rows()
         # mixed steps (design.md D33): each pair of buckets captured at its second use, always lazily
         # (few of the pairs a run could meet are met); eager without graphs
@@ -291,6 +293,19 @@ class ModelRunner:
         self._prefill_graphs(capture=True)
         torch.cuda.synchronize(self.device)
         self.reset_rows()
+
+    @torch.inference_mode()
+    def warm_kernels(self) -> None:
+        """``graph_capture: warm``: every kernel a run's steps use, run once now, so that no step
+        inside the run pays a kernel's first load (a bulk run's first prefill took 0.73 s for one
+        row): one eager decode step on inactive rows (the sampler's kernels with it) and padded
+        prefills on the scratch row (``PrefillGraphs.warm``). Nothing is captured; the caller
+        resets the rows, as after a start-up capture."""
+        self._decode_step(1, None)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.warm()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _token_buckets(self) -> tuple[int, ...]:
         """The prompt-token buckets graphed prefills (and mixed steps) replay."""

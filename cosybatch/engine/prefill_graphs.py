@@ -84,6 +84,14 @@ class PrefillGraphs:
         graph, _ = self.pool.capture(lambda: logits.copy_(self.executor.prefill_from(inp, last)))
         self._graphs[t] = (graph, static, logits)
 
+    def warm(self) -> None:
+        """Run the smallest and the largest bucket's padding eagerly (nothing captured): between
+        them every tile set a prefill takes (the decode phase widens its tiles from a few hundred
+        tokens), so their kernels are loaded before the first request."""
+        for t in sorted({self._planned[0], self._planned[-1]}):
+            static = self._padding(t).to(self.device)
+            self.executor.prefill_from(static[: 5 * t].view(5, t), static[5 * t:])
+
     def run(self, inp: torch.Tensor, last: list[int]) -> torch.Tensor:
         """Logits [len(last), Vp] of the prefill ``inp`` (a host [5, T] tensor): from the
         smallest bucket that holds it, else eager from the same inputs."""

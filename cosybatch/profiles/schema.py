@@ -48,8 +48,10 @@ class ARProfile:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     # when those graphs are captured: startup (every decode bucket and prefill token bucket
     # before the first request) or lazy (a decode bucket right after its first, eager step; a
-    # prefill bucket at its second use): a run captures only what it uses (design.md D25)
-    graph_capture: Literal["startup", "lazy"] = "startup"
+    # prefill bucket at its second use): a run captures only what it uses (design.md D25);
+    # warm: lazy, after one eager decode step and two padded prefills at start-up, so the run's
+    # first steps pay no kernel's first load (D25)
+    graph_capture: Literal["startup", "lazy", "warm"] = "startup"
     # Prefill batching under a backlog (design.md D29): while rows decode and more prompts wait
     # than rows are free, free rows are held until this many are free, at most prefill_wait_ms
     # from when the first could have gone. Under a backlog rows free up one at a time, and each
@@ -63,7 +65,7 @@ class ARProfile:
     # triton executor: newly admitted prompts prefill inside the running rows' decode step (one
     # forward over both) instead of in a step of their own, which holds every running row's
     # next token; every prefill then runs on the decode phase's matmul tiles, so a row's tokens
-    # do not depend on which way its prompt went (design.md D33); off until measured on a GPU
+    # do not depend on which way its prompt went (design.md D33); on in the default profile
     mixed_prefill: bool = False
 
 
