@@ -200,6 +200,33 @@ def test_fast_campplus_and_bucketing_change_nothing(standins):
         assert (a.embedding - c.embedding).abs().max() <= 1e-3  # float64 fbank vs the reference's float32
 
 
+def test_fast_campplus_dense_layers_fuse_their_relus_and_averages(standins):
+    """Each dense layer's two 1x1 convs that a ReLU follows (and the last transit) are one GEMM
+    with the bias and ReLU in its epilogue, and the gate's segment + global mean one averaging
+    GEMM: the GPU frontend's launches are bound by their kernel count (a graphed launch of 1-4
+    prompts, an eager one of 64), so a layer's kernels are what it costs."""
+    import sys
+    from pathlib import Path
+
+    from cosybatch.models.campplus_fast import CAMPPlusFast
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from kernel_census import launches
+    finally:
+        sys.path.pop(0)
+    cam = load_campplus(standins / "campplus.onnx")
+    fast = CAMPPlusFast(cam)
+    x, lengths = torch.randn(2, 250, 80), torch.tensor([250, 180])
+    with torch.inference_mode():  # as the frontend runs it (composite ops stay whole: linear, matmul)
+        fast(x, lengths)  # the BatchNorm folds are made once, then cached
+        ops = launches(lambda: fast(x, lengths))
+    layers = sum(cam.cfg.block_layers)
+    assert ops.count("_addmm_activation") == 2 * layers + 1  # and the last transit with out_nonlinear's ReLU
+    assert not any(a == "linear" and b in ("relu", "relu_") for a, b in zip(ops, ops[1:]))
+    assert ops.count("matmul") == layers + 2  # a gate's averages per layer; the pooling's mean and std
+
+
 def test_row_buckets_change_nothing(standins):
     """``row_bucket``: a launch of 3 prompts padded to 8 rows with copies of the last (their
     results dropped) gives each prompt what the exact 3-row launch gives."""
