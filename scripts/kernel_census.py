@@ -51,6 +51,16 @@ def _aliases(name: str, args, kwargs, out) -> bool:
     return bool(_storages([out]) & _storages(list(args) + list((kwargs or {}).values())))
 
 
+def _self_copy(name: str, args) -> bool:
+    """A ``copy_`` of a tensor onto the same memory (what ``t[i] += x`` dispatches after the
+    in-place add): ATen returns before launching anything."""
+    if name != "copy_" or len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
+        return False
+    dst, src = args[0], args[1]
+    return (dst.data_ptr() == src.data_ptr() and dst.shape == src.shape and dst.stride() == src.stride()
+            and dst.dtype == src.dtype)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -60,7 +70,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not self.paused and name not in NO_KERNEL and not _aliases(name, args, kwargs, out):
+        if (not self.paused and name not in NO_KERNEL and not _aliases(name, args, kwargs, out)
+                and not _self_copy(name, args)):
             self.ops.append(name)
         return out
 

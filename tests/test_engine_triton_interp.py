@@ -393,6 +393,6 @@ def test_decode_step_launch_census():
     sampling = default[start + 8 * layers + 1:]  # after the head's matmul: sample, record, row state
     assert sampling.count("triton._uniforms_kernel") == 1 and sampling.count("triton._draw_kernel") == 1
     assert sampling.count("triton._scores_kernel") == 1
-    assert len(default) == 42, (len(default), default)
+    assert len(default) == 40, (len(default), default)
     assert len(rope) == len(default) - layers and "triton._rope_paged_attn_kernel" in rope
     assert len(tensor_ops) == len(default) + 281, len(tensor_ops)
