@@ -128,6 +128,7 @@ class Frontend:
         max_batch: int = 64,
         max_batch_tokens: int = 16384,
         bucket_s: float = 0.5,
+        batch_bucket_s: float | None = None,
         fbank: str = "cpu",
         warmup: bool = True,
         split_tf32: bool = False,
@@ -151,7 +152,7 @@ class Frontend:
             raise ValueError(f"fbank must be 'cpu' (reference arithmetic, in load) or 'device', got {fbank!r}")
         self._fbank_in_load = fbank == "cpu"
         batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s,
-                    "split_tf32": split_tf32, "row_bucket": row_bucket}
+                    "split_tf32": split_tf32, "row_bucket": row_bucket, "batch_bucket_s": batch_bucket_s}
         self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
                                                        onnx_threads, batch_kw)
         self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtBackend" else "torch"

@@ -89,13 +89,15 @@ class TorchBackend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
                  bucket_s: float = 0.5, graph_rows: int = 4, graph_capacity: int = 128, split_tf32: bool = False,
-                 overlap: bool = True, row_bucket: int = 1):
+                 overlap: bool = True, row_bucket: int = 1, batch_bucket_s: float | None = None):
         """``split_tf32`` (float32 on CUDA only): the tokenizer blocks' linears as three TF32
         GEMMs each (``frontend_models.split_tf32``); everything else stays strict float32, whatever the
         process's TF32 switches say. ``overlap``: CAM++ beside the tokenizer on CUDA (same
         results: the same kernels, only concurrent). ``row_bucket``: chunks too large for a graph
         are padded to a multiple of this many rows, like graphed ones to 1, 2 or 4, so their
-        shapes repeat (each new shape costs the host the planning of its convolutions)."""
+        shapes repeat (each new shape costs the host the planning of its convolutions);
+        ``batch_bucket_s``: and their length to a multiple of this many seconds (None:
+        ``bucket_s``, the graphed chunks' and the warm-up's)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -107,6 +109,7 @@ class TorchBackend:
         self.max_batch = max(1, int(max_batch))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.bucket_s = float(bucket_s)
+        self.batch_bucket_s = self.bucket_s if batch_bucket_s is None else float(batch_bucket_s)
         self.row_bucket = max(1, int(row_bucket))
         self._pinned = self.device.type == "cuda"
         # CUDA: CAM++ runs on a side stream beside the tokenizer (and in the same graph). A few
@@ -154,8 +157,9 @@ class TorchBackend:
             longest = max(longest, tok)
         return chunks + ([cur] if cur else [])
 
-    def _bucket(self, n: int, rate: int) -> int:
-        step = max(1, int(round(self.bucket_s * rate))) if self.bucket_s > 0 else 1
+    def _bucket(self, n: int, rate: int, graphed: bool = True) -> int:
+        seconds = self.bucket_s if graphed else self.batch_bucket_s
+        step = max(1, int(round(seconds * rate))) if seconds > 0 else 1
         return int(math.ceil(n / step) * step)
 
     def compute(self, wav16: list[torch.Tensor], wav_mel: list[torch.Tensor],
@@ -251,13 +255,13 @@ class TorchBackend:
         if extra:
             wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
             fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
-        size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE)
+        size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE, graphed)
         x16, l16, n16 = self._rows(wav16, size16)
         frames = n16 // WHISPER_HOP
         fb_size = 1 + (x16.shape[1] - KALDI_FRAME) // KALDI_SHIFT
         fbank, fb_dev, fb_frames = self._fbank(x16, l16, n16, fbank_rows, fb_size)
         cfg = self.mel_cfg
-        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate))
+        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate, graphed))
         inputs = (x16, l16, fbank, fb_dev, xm, lm)
         if graphed:
             flat = self.graphs(*inputs)

@@ -151,6 +151,11 @@ class FrontendProfile:
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
     # rows; docs/performance.md)
     row_bucket: int = 1
+    # GPU frontend: a launch too large for a graph pads its prompts' length to a multiple of this
+    # many seconds (graphed launches of 1-4 prompts keep 0.5 s, the shapes the warm-up covers):
+    # longer buckets repeat shapes more often (a new one costs ~80 ms of host planning) for more
+    # padding
+    batch_bucket_s: float = 0.5
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
@@ -413,6 +418,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.flow_graph_precapture": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "optimizations.flow_graph_precapture_from": (lambda v: v >= 0, "must be >= 0"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
+    "frontend.batch_bucket_s": (lambda v: v > 0, "must be > 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),

@@ -37,6 +37,7 @@ class FrontendSettings:
     batch: int  # prompts per GPU frontend launch while the AR engine has that many rows queued
     gather_s: float  # with fewer queued, how long gathered prompts wait for more before they launch
     row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
+    batch_bucket_s: float  # and, too large for a graph, its length to a multiple of this many seconds
     warmup: bool  # every length bucket's shapes planned and captured at start-up
     audio_processes: bool  # prompt audio read in helper processes, one per frontend worker
 
