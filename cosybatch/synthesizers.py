@@ -140,6 +140,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
                           row_bucket=f.row_bucket, batch_bucket_s=f.batch_bucket_s, cache_size=4096,
                           cache_bytes=2 << 30, disk_cache=prompt_cache, warmup=False,
                           text_normalizer=settings.text.normalizer)
+            if f.prime and not f.warmup:  # (the warm-up, later, does this and more)
+                fe.prime()
         _ahead_of_rows(lambda: fe.tokenizer)
         return fe
 

@@ -278,6 +278,25 @@ def test_batch_length_buckets_change_nothing_and_leave_graphed_chunks_alone(stan
         assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
 
 
+def test_prime_is_one_eager_launch_and_a_no_op_off_cuda(standins):
+    """``frontend.prime``: ``TorchBackend.prime`` runs one chunk of one prompt more than a graph
+    takes, so it goes the eager way (a process's one-time set-up is what it pays for, not a
+    graph); ``Frontend.prime`` does that on CUDA only."""
+    from cosybatch.gpu.graph_cache import GraphCache
+
+    fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0)
+    impl, rows = fe._impl, []
+    impl.graph_rows = 4
+    impl.graphs = GraphCache(lambda *t: impl._features(*t, True, True), enabled=False)
+    run = impl._features
+    impl._features = lambda x16, *a: rows.append(x16.shape[0]) or run(x16, *a)
+    impl.prime()
+    assert rows == [5] and impl.graphs.stats.calls == 0
+    impl.prime = lambda: rows.append("primed")
+    fe.prime()  # a CPU frontend: nothing to set up
+    assert rows == [5]
+
+
 def test_the_graphed_path_equals_the_exact_path(standins):
     """Chunks of at most ``graph_rows`` prompts run the models' masked path (what a CUDA graph
     captures, whether or not a row is padded) and come back packed in one tensor: the same

@@ -422,7 +422,8 @@ def test_frontend_device_and_precision():
     assert err("default", ["frontend.batch=0"]) == "--set frontend.batch=0: frontend.batch: must be >= 1, got 0"
     assert f.row_bucket == 16 and resolve(load_profile("default", ["frontend.row_bucket=8"]), cfg, cpu).frontend.row_bucket == 8
     assert err("default", ["frontend.row_bucket=0"]) == "--set frontend.row_bucket=0: frontend.row_bucket: must be >= 1, got 0"
-    assert f.batch_bucket_s == 0.5
+    assert f.batch_bucket_s == 0.5 and f.prime is False
+    assert resolve(load_profile("default", ["frontend.prime=true"]), cfg, cpu).frontend.prime is True
     assert resolve(load_profile("default", ["frontend.batch_bucket_s=2"]), cfg, cpu).frontend.batch_bucket_s == 2.0
     assert err("default", ["frontend.batch_bucket_s=0"]).endswith("frontend.batch_bucket_s: must be > 0, got 0.0")
     # prompt audio in the workers' threads unless helper processes are asked for

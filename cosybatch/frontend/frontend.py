@@ -177,6 +177,12 @@ class Frontend:
         if self.backend == "torch" and self._impl.device.type == "cuda":
             self._impl.warmup()
 
+    def prime(self) -> None:
+        """On a CUDA device: the one-time set-up of a process's first launch now, with one small
+        eager launch (``TorchBackend.prime``); nothing to do for onnxruntime or on a CPU."""
+        if self.backend == "torch" and self._impl.device.type == "cuda":
+            self._impl.prime()
+
     @property
     def bfloat16(self) -> bool:
         """Whether prompt features come from the bfloat16 GPU models, whose codes differ from the

@@ -296,6 +296,21 @@ class TorchBackend:
             frames = torch.tensor([fb.shape[0]], device=self.device)
             return self.campplus(fb[None].to(self.device), frames, padded=False).float().cpu()
 
+    def prime(self, seconds: float = 1.0) -> None:
+        """One small eager launch (one prompt more than a graph takes), waited for: what a
+        process's first launch pays once -- the first load of each kernel, cuDNN's and cuBLAS's
+        handles and workspaces, cuFFT's first plans -- paid now (on the calling thread: at
+        start-up the frontend's loading thread, beside the models' loading). Nothing is captured
+        and nothing is kept."""
+        n = int(round(seconds * SAMPLE_RATE))
+        wav16 = 1e-2 * torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+        mel = torch.zeros(1, int(round(seconds * self.mel_cfg.sampling_rate))) + 1e-3
+        fbank = torch.zeros(1 + (n - KALDI_FRAME) // KALDI_SHIFT, self.fbank_bins)
+        rows = self.graph_rows + 1
+        self.compute([wav16] * rows, [mel] * rows, [fbank] * rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def warmup(self, max_seconds: float = 30.0) -> None:
         """One prompt of each length bucket up to ``max_seconds`` (exact bucket lengths: the
         unpadded path), chunks of 2 and 4 up to 10 s, then one padded pair: afterwards no prompt

@@ -161,6 +161,11 @@ class FrontendProfile:
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
     # other shapes, which it does not cover.
     warmup: bool = True
+    # GPU frontend, without the warm-up: one small eager launch at start-up on the frontend's
+    # loading thread, beside the models' loading, so that the run's first launch does not pay a
+    # process's one-time set-up (kernels' first loads, cuDNN / cuBLAS handles: ~0.55 s of the
+    # first launch's 0.68 s on an H200, docs/performance.md)
+    prime: bool = False
     # Where prompt audio is read, resampled and fbanked: "thread" (in the frontend workers) or
     # "process" (one helper process per worker: its many short torch calls then never wait for
     # the GIL behind the GPU thread; no end-to-end gain measured yet, design.md D32)
