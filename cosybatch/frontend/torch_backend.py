@@ -157,7 +157,7 @@ class TorchBackend:
             longest = max(longest, tok)
         return chunks + ([cur] if cur else [])
 
-    def _bucket(self, n: int, rate: int, graphed: bool = True) -> int:
+    def _bucket(self, n: int, rate: int, graphed: bool) -> int:
         seconds = self.bucket_s if graphed else self.batch_bucket_s
         step = max(1, int(round(seconds * rate))) if seconds > 0 else 1
         return int(math.ceil(n / step) * step)
@@ -302,14 +302,19 @@ class TorchBackend:
         handles and workspaces, cuFFT's first plans -- paid now (on the calling thread: at
         start-up the frontend's loading thread, beside the models' loading). Nothing is captured
         and nothing is kept."""
-        n = int(round(seconds * SAMPLE_RATE))
-        wav16 = 1e-2 * torch.randn(1, n, generator=torch.Generator().manual_seed(n))
-        mel = torch.zeros(1, int(round(seconds * self.mel_cfg.sampling_rate))) + 1e-3
-        fbank = torch.zeros(1 + (n - KALDI_FRAME) // KALDI_SHIFT, self.fbank_bins)
+        wav16, mel, fbank = self._synthetic_prompt(seconds)
         rows = self.graph_rows + 1
         self.compute([wav16] * rows, [mel] * rows, [fbank] * rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _synthetic_prompt(self, seconds: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``compute``'s inputs for one made-up prompt of ``seconds`` (16 kHz wave, mel-rate
+        wave, fbank): what the warm-up and ``prime`` run the models on."""
+        n = int(round(seconds * SAMPLE_RATE))
+        wav16 = 1e-2 * torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+        return (wav16, torch.zeros(1, int(round(seconds * self.mel_cfg.sampling_rate))) + 1e-3,
+                torch.zeros(1 + (n - KALDI_FRAME) // KALDI_SHIFT, self.fbank_bins))
 
     def warmup(self, max_seconds: float = 30.0) -> None:
         """One prompt of each length bucket up to ``max_seconds`` (exact bucket lengths: the
@@ -317,13 +322,7 @@ class TorchBackend:
         pays for lazy CUDA setup, a kernel's first load, a first cuDNN/cuFFT plan of its shape
         or (on CUDA) the capture of its graph."""
         step = self.bucket_s if self.bucket_s > 0 else max_seconds
-        rate = self.mel_cfg.sampling_rate
-
-        def row(seconds: float):
-            n = int(round(seconds * SAMPLE_RATE))
-            wav16 = 1e-2 * torch.randn(1, n, generator=torch.Generator().manual_seed(n))
-            return wav16, torch.zeros(1, int(round(seconds * rate))) + 1e-3, torch.zeros(1 + (n - KALDI_FRAME) // KALDI_SHIFT, self.fbank_bins)
-
+        row = self._synthetic_prompt
         n_buckets = max(1, int(math.ceil(max_seconds / step)))
         for k in range(1, n_buckets + 1):
             a = row(min(k * step, max_seconds))
