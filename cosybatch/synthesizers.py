@@ -20,6 +20,13 @@ import cosybatch
 
 log = logging.getLogger(__name__)
 
+# A ``synth`` run captures the profile's start-up flow buckets only with at least this many
+# codec admissions' worth of rows (256 at the default 64): on the H200 they cost ~1.2 s of
+# start-up (11 buckets, the first paying the process's first capture) and saved ~2.4 s of a
+# 1,088-row window (5-7 captures of ~230 ms each there, where the pipeline stalls behind them),
+# while a 16-row job used none of them and took ~1.8 s longer (design.md D27).
+PRECAPTURE_MIN_JOBS = 4
+
 
 @dataclass
 class RowResult:
@@ -111,7 +118,7 @@ def fast_pipeline(models, frontend, profile, device: torch.device):
     return FastPipeline(models, frontend, resolve(profile, models.cfg, device), device)
 
 
-def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
+def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, precapture_flow: bool = True):
     from cosybatch.checkpoint import load_config, load_models
     from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles.resolve import resolve
@@ -178,7 +185,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None):
     if f.warmup:
         with clock.phase("frontend warm-up"):
             frontend.warmup()
-    pipeline = FastPipeline(models, frontend, settings, device, startup=clock)
+    pipeline = FastPipeline(models, frontend, settings, device, startup=clock, precapture_flow=precapture_flow)
     clock.log()
     return pipeline
 
@@ -225,7 +232,8 @@ class FastSynthesizer:
         """``force_length``: each row generates the token count ``workload.force_tokens`` derives
         from its text (what ``profile --force-length`` imposes; for random-weight benchmarks)."""
         self.model_dir, self.device, self.profile = model_dir, device, profile
-        self.pipeline = _fast_pipeline(model_dir, device, profile, prompt_cache)
+        # the start-up flow captures wait for expect_rows: whether the run is large enough to use them
+        self.pipeline = _fast_pipeline(model_dir, device, profile, prompt_cache, precapture_flow=False)
         cfg = self.pipeline.cfg
         self.sample_rate = cfg.sample_rate
         self.streaming = profile.mode == "streaming"
@@ -234,6 +242,14 @@ class FastSynthesizer:
         self.window = max(profile.ar.max_num_seqs, profile.codec.max_num_seqs) * 2
         self.startup = self.pipeline.startup.as_dict()
         self._closed = False
+
+    def expect_rows(self, n: int) -> None:
+        """Told (before the run's window opens) how many rows the run will synthesize: a run of
+        at least ``PRECAPTURE_MIN_JOBS`` admissions' worth captures the profile's band of flow
+        buckets now (``optimizations.flow_graph_precapture``, design.md D27), part of start-up."""
+        if n >= PRECAPTURE_MIN_JOBS * self.pipeline.settings.codec.max_num_seqs:
+            self.pipeline.precapture_flow_graphs()
+            self.startup = self.pipeline.startup.as_dict()
 
     def fingerprint(self) -> dict:
         """Only what changes the audio: admission sizes, workers and graphs may change on resume.

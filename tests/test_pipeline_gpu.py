@@ -54,7 +54,7 @@ def parts(model_dir):
     return models, Frontend(model_dir, models.cfg, text_normalizer="none")
 
 
-def _pipeline(parts, overrides):
+def _pipeline(parts, overrides, precapture_flow: bool = True):
     from cosybatch.profiles import load_profile
     from cosybatch.profiles.resolve import resolve
     from cosybatch.gpu.runtime import apply_process_settings
@@ -63,7 +63,7 @@ def _pipeline(parts, overrides):
     models, frontend = parts
     settings = resolve(load_profile("default", overrides), models.cfg, DEV)
     apply_process_settings(settings.process)  # as synth does: TF32 switches, before any model work
-    return FastPipeline(models, frontend, settings, DEV)
+    return FastPipeline(models, frontend, settings, DEV, precapture_flow=precapture_flow)
 
 
 def _run(pipe, rows, stream, concurrency):
@@ -214,17 +214,23 @@ def test_ar_step_beside_the_codec_gives_the_serial_tokens(parts, fixtures_dir, m
         print(f"{mode} beside: gpu_kernel {tl['gpu_kernel']}, budget {tl['gpu_budget']}")
 
 
-@pytest.mark.parametrize("mode", ["full", "streaming"])
-def test_flow_buckets_captured_at_start_up_leave_none_for_the_rows(parts, fixtures_dir, mode):
+@pytest.mark.parametrize("mode,deferred", [("full", False), ("streaming", False), ("full", True)])
+def test_flow_buckets_captured_at_start_up_leave_none_for_the_rows(parts, fixtures_dir, mode, deferred):
     """``optimizations.flow_graph_precapture`` (design.md D27): every bucket of solves up to the
     bound is captured before the first row, so the rows' solves only replay (none captured inside
-    the window), and the rows still produce audio."""
+    the window), and the rows still produce audio. ``deferred``: the constructor leaves them to
+    ``precapture_flow_graphs`` (what ``synth`` calls once it knows the run is large)."""
     stream = mode == "streaming"
     rows = fixture_rows(fixtures_dir)
-    extra = [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4", "optimizations.flow_graph_precapture=4096"]
+    extra = [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4", "optimizations.flow_graph_precapture=4096",
+             "optimizations.flow_graph_precapture_from=0"]
     extra += ["optimizations.prefix_reuse=true"] if stream else []
-    pipe = _pipeline(parts, extra)
+    pipe = _pipeline(parts, extra, precapture_flow=not deferred)
     flow = pipe.codec.flow
+    if deferred:
+        assert flow.graphs is None or flow.graphs.stats.precaptures == 0
+        pipe.precapture_flow_graphs()
+        assert ("flow graphs" in pipe.startup.phases) == (DEV.type == "cuda")
     chunks, _ = _run(pipe, rows, stream, len(rows))
     tl = pipe.timeline()
     pipe.close()

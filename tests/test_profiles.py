@@ -335,7 +335,7 @@ def test_flow_graph_precapture_range():
     assert (p.optimizations.flow_graph_precapture, p.optimizations.flow_graph_precapture_from) == (6144, 4096)
     with pytest.raises(ProfileError, match=r"flow_graph_precapture_from needs optimizations.flow_graph_precapture "
                                            r"at least as large.*4096.*null"):
-        load_profile("default", ["optimizations.flow_graph_precapture_from=4096"])
+        load_profile("default", ["optimizations.flow_graph_precapture=null", "optimizations.flow_graph_precapture_from=4096"])
     with pytest.raises(ProfileError, match=r"flow_graph_precapture_from needs"):
         load_profile("default", ["optimizations.flow_graph_precapture=2048", "optimizations.flow_graph_precapture_from=4096"])
 

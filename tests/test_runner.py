@@ -513,6 +513,54 @@ def test_start_up_is_reported_beside_the_window_not_inside_it(tmp_path):
     assert rep.exit_code == 0
 
 
+def test_the_synthesizer_learns_the_run_size_before_the_window_and_its_start_up_follows(tmp_path):
+    """A synthesizer with ``expect_rows`` is told how many rows are left before the window
+    opens (FastSynthesizer captures flow graphs then, only for large runs): the start-up it
+    reports afterwards is what timing.json carries; with nothing left to do it is not asked."""
+    man = make_manifest(tmp_path, 3)
+    told = []
+
+    class Sized(FakeSynth):
+        def expect_rows(self, n):
+            told.append(n)
+            self.startup = {"total_s": 2.5, "phases_s": {"models": 1.0, "flow graphs": 1.5}}
+
+    synth = Sized()
+    synth.startup = {"total_s": 1.0, "phases_s": {"models": 1.0}}
+    out = tmp_path / "out"
+    assert run_synth(read_manifest(man), synth, out, quiet=True).exit_code == 0
+    assert told == [3]
+    assert json.loads((out / "timing.json").read_text())["totals"]["startup"]["phases_s"]["flow graphs"] == 1.5
+    assert run_synth(read_manifest(man), Sized(), out, quiet=True).exit_code == 0
+    assert told == [3], "a run with every row done prepares nothing"
+
+
+def test_fast_synth_captures_the_flow_band_only_for_runs_of_several_admissions():
+    """``FastSynthesizer.expect_rows``: the profile's start-up flow captures happen for a run of
+    at least ``PRECAPTURE_MIN_JOBS`` codec admissions' worth of rows, and then count as start-up."""
+    from types import SimpleNamespace
+
+    from cosybatch.scheduler.startup import StartupClock
+    from cosybatch.synthesizers import PRECAPTURE_MIN_JOBS, FastSynthesizer
+
+    class Pipe:
+        settings = SimpleNamespace(codec=SimpleNamespace(max_num_seqs=8))
+        startup = StartupClock()
+        captured = 0
+
+        def precapture_flow_graphs(self):
+            self.captured += 1
+            with self.startup.phase("flow graphs"):
+                pass
+
+    fs = FastSynthesizer.__new__(FastSynthesizer)
+    fs.pipeline, fs.startup = Pipe(), {}
+    fs.expect_rows(PRECAPTURE_MIN_JOBS * 8 - 1)
+    assert fs.pipeline.captured == 0 and fs.startup == {}
+    fs.expect_rows(PRECAPTURE_MIN_JOBS * 8)
+    assert fs.pipeline.captured == 1 and "flow graphs" in fs.startup["phases_s"]
+
+
 def test_startup_clock_times_phases_and_the_process_before_them():
     import torch
 

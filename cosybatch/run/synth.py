@@ -310,6 +310,12 @@ class _Run:
             self.encoder = HelperProcess("encoder", warm=(self.audio.prepare,), local_until_warm=True)
         if self.encoder is None or not self.encoder.alive:
             self.audio.prepare()
+        # A synthesizer may prepare for the run's size (FastSynthesizer: start-up graph captures
+        # that pay only on large runs), before its window opens and as part of its start-up.
+        expect = getattr(self.synth, "expect_rows", None)
+        if expect is not None and self.plan.todo:
+            expect(len(self.plan.todo))
+            self.startup = getattr(self.synth, "startup", None)
         self.t_start = time.time()
         with intr.commit():
             self.timing.write(self.timing_doc(False))

@@ -81,7 +81,10 @@ class FastPipeline:
     """Implements ``cosybatch.scheduler.protocol.StreamingPipeline`` over the AR engine and packed codec."""
 
     def __init__(self, models, frontend, settings: RunSettings, device: torch.device,
-                 startup: StartupClock | None = None):
+                 startup: StartupClock | None = None, precapture_flow: bool = True):
+        """``precapture_flow=False`` leaves the profile's start-up flow captures
+        (``optimizations.flow_graph_precapture``) to ``precapture_flow_graphs``, for a caller that
+        first learns whether its run is large enough to use them."""
         self.cfg = models.cfg
         self.settings = settings
         self.frontend = frontend
@@ -136,9 +139,8 @@ class FastPipeline:
             flow = FlowRunner.from_config(models.flow, codec_cfg)
             self.codec = CodecWork(flow, hift, self.acct, CostModel(learn=device.type == "cuda"), limits, device,
                                    hift_stream=hift_stream)
-        if codec_cfg.flow_graphs and codec_cfg.flow_graph_precapture:
-            with startup.phase("flow graphs"):
-                self._precapture_flow(flow, codec_cfg.flow_graph_precapture, codec_cfg.flow_graph_precapture_from)
+        if precapture_flow:
+            self._precapture_flow()
         self._token_frames = self.cfg.flow.token_mel_ratio
         self._chunk_frames = self.cfg.flow.dit.static_chunk_size
         # A GPU frontend's models run on this thread, batched; a CPU one (onnxruntime) in the workers.
@@ -244,10 +246,24 @@ class FastPipeline:
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
         return out
 
-    def _precapture_flow(self, flow: FlowRunner, max_stride: int, min_stride: int = 0) -> None:
-        """Capture every flow bucket this run's solves of ``min_stride`` to ``max_stride`` tokens
-        per branch can use, before the first row (design.md D27): logged with the pool memory
-        they hold."""
+    def precapture_flow_graphs(self) -> None:
+        """The start-up flow captures the constructor was told to leave (``precapture_flow``):
+        before the first request, timed as a start-up phase, and not counted as the window's."""
+        self._precapture_flow()
+        self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
+        self.acct.reset()
+        self.util.reset()
+
+    def _precapture_flow(self) -> None:
+        """Capture every flow bucket this run's solves of ``flow_graph_precapture_from`` to
+        ``flow_graph_precapture`` tokens per branch can use, before the first row (design.md D27):
+        logged with the pool memory they hold."""
+        cfg, flow = self.settings.codec, self.codec.flow
+        if cfg.flow_graphs and cfg.flow_graph_precapture:
+            with self.startup.phase("flow graphs"):
+                self._precapture_flow_band(flow, cfg.flow_graph_precapture, cfg.flow_graph_precapture_from)
+
+    def _precapture_flow_band(self, flow: FlowRunner, max_stride: int, min_stride: int) -> None:
         if not flow.geometry.coarse:
             log.info("flow graphs: no start-up capture with the %s attention (its buckets follow each solve's "
                      "rows, an unbounded set); each bucket is captured at first sight", flow.backend.name)
