@@ -122,7 +122,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     from cosybatch.checkpoint import load_config, load_models
     from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles.resolve import resolve
-    from cosybatch.gpu.runtime import apply_process_settings
+    from cosybatch.gpu.runtime import apply_process_settings, kernel_cache_state, triton_available, triton_cache_dir
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
     # This package's modules the loads below need are imported now, before their threads start:
@@ -138,6 +138,12 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     settings = resolve(profile, cfg, device)
     apply_process_settings(settings.process)
     clock = StartupClock(device)
+    if device.type == "cuda" and triton_available():
+        clock.kernel_cache = kernel_cache_state()
+        if clock.kernel_cache == "cold":
+            log.warning("Triton's cache (%s) holds no GPU kernel of this package: this run compiles them as it "
+                        "first needs each one and is slower (2.5 times on an H200); later runs read them from "
+                        "the cache", triton_cache_dir())
     f = settings.frontend
 
     def build_frontend() -> Frontend:

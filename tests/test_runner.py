@@ -577,3 +577,27 @@ def test_startup_clock_times_phases_and_the_process_before_them():
     assert clock.total_s == pytest.approx(sum(clock.phases.values()), abs=1e-3)
     assert ("process start and imports" in clock.phases) == (age is not None)
     assert clock.as_dict()["phases_s"]["models"] == clock.phases["models"]
+
+
+def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monkeypatch):
+    """``kernel_cache_state``: "cold" while Triton's cache holds none of the package's kernels
+    (an empty, missing or foreign-only cache; ``TRITON_CACHE_DIR`` is followed), "warm" once one
+    is there; the summary says when a run compiled its kernels."""
+    from rich.console import Console
+
+    from cosybatch.gpu.runtime import kernel_cache_state, triton_cache_dir
+    from cosybatch.run.progress import summary_table
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert triton_cache_dir() == cache and kernel_cache_state() == "cold"
+    (cache / "AAAA").mkdir(parents=True)
+    (cache / "AAAA" / "some_other_kernel.json").write_text("{}")
+    assert kernel_cache_state() == "cold"
+    (cache / "BBBB").mkdir()
+    (cache / "BBBB" / "_conv1d_kernel.json").write_text("{}")
+    assert kernel_cache_state() == "warm"
+    for state, shown in (("cold", True), ("warm", False)):
+        console = Console(record=True, width=120)
+        console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "kernel_cache": state}}))
+        assert ("compiled during this run" in console.export_text()) == shown

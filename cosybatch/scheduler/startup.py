@@ -41,6 +41,9 @@ class StartupClock:
         self.device = device
         self.phases: dict[str, float] = {}
         self.parallel_parts: dict[str, dict[str, float]] = {}  # a parallel phase -> its parts' times
+        # "cold" or "warm" on CUDA (gpu.runtime.kernel_cache_state): whether the run's figures
+        # include compiling the GPU kernels
+        self.kernel_cache: str | None = None
         age = process_age_s()
         if age is not None:
             self.phases["process start and imports"] = round(age, 3)
@@ -84,6 +87,8 @@ class StartupClock:
         out = {"total_s": self.total_s, "phases_s": dict(self.phases)}
         if self.parallel_parts:
             out["parallel_s"] = {k: dict(v) for k, v in self.parallel_parts.items()}
+        if self.kernel_cache is not None:
+            out["kernel_cache"] = self.kernel_cache
         return out
 
     def log(self) -> None:
