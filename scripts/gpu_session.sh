@@ -12,6 +12,7 @@
 #        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
+#        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
 #        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
 #        start-up phases: what a small job waits for; alternate them, e.g. `startup16base=.base
 #        startup16 startup16base=.base startup16`, the first run of a fresh machine also fills
@@ -110,8 +111,11 @@ print("start-up", t.get("startup"))
 b = tl.get("gpu_budget") or {}
 with open(sys.argv[2], "a") as f:  # one line per run in $OUT/summary.txt
     f.write(f"{sys.argv[3]}: {t.get('audio_s_per_s'):.1f} audio-s/s, kernel-active {(tl.get('gpu_kernel') or {}).get('kernel_active_share')}, "
-            "GPU-ms/audio-s " + " ".join(f"{k} {b.get(k)}" for k in ("wall", "flow_steps", "captures", "hift", "prefill", "frontend")) + "\n")
+            "GPU-ms/audio-s " + " ".join(f"{k} {b.get(k)}" for k in ("wall", "flow_steps", "captures", "hift", "prefill", "frontend"))
+            + f", window {t.get('wall_s')} s, start-up {(t.get('startup') or {}).get('total_s')} s "
+            f"(flow graphs {((t.get('startup') or {}).get('phases_s') or {}).get('flow graphs')}, kernel cache {(t.get('startup') or {}).get('kernel_cache')})\n")
 PY
+  grep -m1 "^real" "$OUT/$tag.txt" | sed "s/^/$tag: whole command /" >> "$OUT/summary.txt"
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
 }
 set_args() {  # "K1=V1+K2=V2+..." -> SETS=(--set K1=V1 --set K2=V2 ...)
@@ -216,6 +220,8 @@ for step in "$@"; do
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
+    cold16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # a first run on a machine: Triton's cache empty
+      ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
     startup16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst; synth_run startup16 $WL/m16.lst ;;
     startup16base=*) setup; d=${step#startup16base=}
       [ -d "$d/cosybatch" ] || { log "startup16base: $d/cosybatch not found"; continue; }
