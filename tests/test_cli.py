@@ -35,6 +35,20 @@ def _ok_ids(out: Path) -> list[str]:
     return [r["utt_id"] for r in _ledger(out) if r.get("event") == "row" and r["status"] == "ok"]
 
 
+@pytest.mark.parametrize("code,rc,err", [(None, 0, ""), (3, 3, ""), ("stopped: why", 1, "stopped: why")])
+def test_the_process_leaves_without_finalizing_yet_keeps_what_finalizing_would_do(code, rc, err):
+    """``cli._leave``: ``sys.exit(code)``'s status and message, after waiting for non-daemon
+    threads and running the atexit hooks (other libraries' shutdowns), then ``os._exit``."""
+    script = ("import atexit, sys, threading, time; from cosybatch import cli\n"
+              "atexit.register(lambda: print('hook ran', flush=True))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+              f"cli._leave({code!r})\n"
+              "print('not reached')\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == rc and res.stdout.split() == ["thread", "done", "hook", "ran"]
+    assert res.stderr.strip() == err
+
+
 def test_help_is_fast_and_hides_the_test_hook():
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", "import sys; from cosybatch.cli import main; main(['synth', '--help'])"],
