@@ -130,7 +130,7 @@ def _exit_now(code: int) -> None:
 def _leave(code: Any) -> None:
     """End the process once the command is done, with ``sys.exit(code)``'s status, without the
     interpreter's finalization: every output is closed and on disk by now, and tearing down
-    torch's, onnxruntime's and CUDA's state took another ~0.6 s of a `make demo` on a CPU.
+    torch's, onnxruntime's and CUDA's state took another ~0.7 s of a `make demo` on a CPU.
     Leaving this way also passes one of our engine's daemon threads (named ``cosybatch-*``)
     still inside native code, where finalization would abort the process (``close()`` should
     have joined them; debug level: nothing the user can act on). What finalization would do
