@@ -213,7 +213,8 @@ class Optimizations:
     # Capture at start-up, before the first row, every flow bucket of solves of at most this many
     # tokens per CFG branch (rounded up to a bucket; design.md D27); null: each bucket when a
     # solve first needs it. Needs flow_graphs; a bucket outside the set is still captured at first
-    # sight and counted in the timeline's captures_in_window.
+    # sight and counted in the timeline's captures_in_window. `synth` captures them only for a
+    # run of at least 4 codec admissions' worth of rows (synthesizers.PRECAPTURE_MIN_JOBS).
     flow_graph_precapture: int | None = None
     # ... and of at least this many (the buckets a run's solves are sized to, e.g. around
     # codec.solve_tokens / 2 in whole responses, without the hundred smaller ones)
