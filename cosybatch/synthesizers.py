@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,7 +124,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     from cosybatch.checkpoint import load_config, load_models
     from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles.resolve import resolve
-    from cosybatch.gpu.runtime import apply_process_settings, kernel_cache_state, triton_available, triton_cache_dir
+    from cosybatch.gpu.runtime import apply_process_settings, triton_available
+    from cosybatch.gpu.triton_cache import install_recorder, kernel_cache_state, start_ahead_compile, triton_cache_dir
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
     # This package's modules the loads below need are imported now, before their threads start:
@@ -144,6 +147,10 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
             log.warning("Triton's cache (%s) holds no GPU kernel of this package: this run compiles them as it "
                         "first needs each one and is slower (2.5 times on an H200); later runs read them from "
                         "the cache", triton_cache_dir())
+            # the recorded launches, compiled beside this start-up and run (design.md D37)
+            start_ahead_compile(clock.kernel_cache)
+        if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's tool: list this run's launches
+            install_recorder(Path(os.environ["COSYBATCH_RECORD_LAUNCHES"]))
     f = settings.frontend
 
     def build_frontend() -> Frontend:

@@ -12,7 +12,10 @@
 #        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
-#        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
+#        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for;
+#        cold16noahead: the same without compiling cosybatch/gpu/triton_launches.json ahead),
+#        record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
+#        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
 #        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
 #        start-up phases: what a small job waits for; alternate them, e.g. `startup16base=.base
 #        startup16 startup16base=.base startup16`, the first run of a fresh machine also fills
@@ -222,6 +225,15 @@ for step in "$@"; do
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
     cold16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # a first run on a machine: Triton's cache empty
       ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
+    cold16noahead) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # the same without compiling the shipped launch list ahead
+      L=cosybatch/gpu/triton_launches.json; [ -f $L ] && mv $L /tmp/launches.json
+      ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16noahead $WL/m16.lst )
+      [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
+    record) setup; log "record the Triton launches of synth (1,088 and 16 rows) and the seed profile at C32 and C64"
+      export COSYBATCH_RECORD_LAUNCHES=$OUT/triton_launches.json; head -n 16 $WL/meta.lst > $WL/m16.lst
+      synth_run record-synth; synth_run record-16 $WL/m16.lst
+      prof record-c32 packed_streaming_optimized_standard 32 256 32; prof record-c64 packed_streaming_optimized_standard 64 256 64
+      unset COSYBATCH_RECORD_LAUNCHES; python3 -c "import json; r = json.load(open('$OUT/triton_launches.json')); print(len(r), 'launch variants')" | tee -a "$OUT/summary.txt" ;;
     startup16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst; synth_run startup16 $WL/m16.lst ;;
     startup16base=*) setup; d=${step#startup16base=}
       [ -d "$d/cosybatch" ] || { log "startup16base: $d/cosybatch not found"; continue; }

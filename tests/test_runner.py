@@ -585,7 +585,7 @@ def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monk
     is there; the summary says when a run compiled its kernels."""
     from rich.console import Console
 
-    from cosybatch.gpu.runtime import kernel_cache_state, triton_cache_dir
+    from cosybatch.gpu.triton_cache import kernel_cache_state, triton_cache_dir
     from cosybatch.run.progress import summary_table
 
     cache = tmp_path / "triton"

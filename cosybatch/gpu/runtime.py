@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -32,32 +30,6 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
-
-
-# The kernels whose compiled forms tell whether Triton has compiled this package's GPU kernels on
-# this machine: the HiFT conv, the flow's attention and the AR engine's matmul (each with many
-# variants: in a first 1,088-row run on the H200, HiFT's slices alone took ~26 s longer, compiling)
-KERNELS_SEEN = ("_conv1d_kernel", "_chunk_attn_kernel", "_matmul_kernel")
-
-
-def triton_cache_dir() -> Path:
-    """Where Triton keeps what it compiled (``TRITON_CACHE_DIR``, else ``~/.triton/cache``)."""
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-
-
-def kernel_cache_state(cache: Path | None = None) -> str:
-    """"cold" when Triton's cache holds none of ``KERNELS_SEEN`` (a first run on this machine,
-    or a cleared cache: the run compiles each kernel variant as it first meets it, inside its
-    window; 2.5 times slower on the H200), else "warm". An older version's kernels count as
-    warm: this tells a first run apart, not every recompile."""
-    cache = cache or triton_cache_dir()
-    try:
-        for entry in os.scandir(cache):
-            if entry.is_dir() and any(os.path.exists(os.path.join(entry.path, f"{k}.json")) for k in KERNELS_SEEN):
-                return "warm"
-    except OSError:
-        pass
-    return "cold"
 
 
 def apply_process_settings(s: ProcessSettings) -> None:

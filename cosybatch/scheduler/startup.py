@@ -41,7 +41,7 @@ class StartupClock:
         self.device = device
         self.phases: dict[str, float] = {}
         self.parallel_parts: dict[str, dict[str, float]] = {}  # a parallel phase -> its parts' times
-        # "cold" or "warm" on CUDA (gpu.runtime.kernel_cache_state): whether the run's figures
+        # "cold" or "warm" on CUDA (gpu.triton_cache.kernel_cache_state): whether the run's figures
         # include compiling the GPU kernels
         self.kernel_cache: str | None = None
         age = process_age_s()

@@ -1,0 +1,240 @@
+"""Triton's on-disk kernel cache on this machine: whether it holds this package's kernels, the
+launches a run makes (recorded once), and compiling them ahead of a run (design.md D37).
+
+A run compiles each variant of a Triton kernel (its dtypes, constexprs, launch options and the
+integer arguments' specialisation) the first time it launches it, inside its window, unless
+Triton's cache already holds it: a first run on a machine is that much slower (a 16-row job
+28.4 s against 9.0 on an H200, the 1,088-row `synth` 138 against ~255 audio-s/s). The variants
+a profile launches at a model size are a small fixed set, so they can be listed once
+(``install_recorder``, on a GPU) and compiled ahead on a machine whose cache lacks them
+(``precompile``), through Triton's own ``warmup``: its JIT derives the same cache key from
+these arguments as from a real launch's, and a run then finds the compiled kernels on disk.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+# The kernels whose compiled forms tell whether Triton has compiled this package's GPU kernels on
+# this machine: the HiFT conv, the flow's attention and the AR engine's matmul (each with many
+# variants: in a first 1,088-row run on the H200, HiFT's slices alone took ~26 s longer, compiling)
+KERNELS_SEEN = ("_conv1d_kernel", "_chunk_attn_kernel", "_matmul_kernel")
+# The launches recorded on a GPU (``recording``), compiled ahead when the cache is cold
+LAUNCHES = Path(__file__).with_name("triton_launches.json")
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton keeps what it compiled (``TRITON_CACHE_DIR``, else ``~/.triton/cache``)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def kernel_cache_state(cache: Path | None = None) -> str:
+    """"cold" when Triton's cache holds none of ``KERNELS_SEEN`` (a first run on this machine,
+    or a cleared cache), else "warm". An older version's kernels count as warm: this tells a
+    first run apart, not every recompile."""
+    cache = cache or triton_cache_dir()
+    try:
+        for entry in os.scandir(cache):
+            if entry.is_dir() and any(os.path.exists(os.path.join(entry.path, f"{k}.json")) for k in KERNELS_SEEN):
+                return "warm"
+    except OSError:
+        pass
+    return "cold"
+
+
+# ------------------------------------------------------------------ recording
+
+
+def _int_class(v: int) -> tuple:
+    """What Triton's JIT can specialise an integer argument on: 1, divisibility by 16, and the
+    integer type its range needs (a launch list keeps one value per class)."""
+    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
+
+
+def encode_arg(v: Any, exact: bool = False) -> tuple[dict, Any] | None:
+    """(the argument as a launch list stores it, its class for de-duplication), or None for an
+    argument a launch list cannot replay (a tensor off a 16-byte boundary: ``warmup`` assumes
+    aligned pointers, so the variant it compiled would not be the one launched). ``exact``: a
+    constexpr or a launch option, whose value is the variant (an integer argument's is only
+    its class)."""
+    if hasattr(v, "data_ptr") and hasattr(v, "dtype"):  # a tensor
+        if v.data_ptr() % 16:
+            return None
+        name = str(v.dtype).removeprefix("torch.")
+        return {"tensor": name}, ("tensor", name)
+    if isinstance(v, bool) or v is None or isinstance(v, str) or exact:
+        return {"value": v, **({"exact": True} if exact else {})}, ("value", v)
+    if isinstance(v, int):
+        return {"value": v}, ("int", _int_class(v))
+    if isinstance(v, float):
+        return {"value": v}, ("float",)
+    return None
+
+
+def launch_record(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, tuple] | None:
+    """(a launch list entry, its de-duplication key) for ``kernel[grid](*args, **kwargs)``, or
+    None where an argument cannot be replayed. Keyword arguments are constexprs or launch
+    options unless the kernel's parameters say otherwise."""
+    params = getattr(kernel, "params", None)
+    names = [p.name for p in params] if params else []
+    runtime = {p.name for p in params if not p.is_constexpr} if params else set()
+    out_args, keys = [], []
+    for i, a in enumerate(args):
+        enc = encode_arg(a, exact=bool(params) and i < len(names) and names[i] not in runtime)
+        if enc is None:
+            return None
+        out_args.append(enc[0])
+        keys.append(enc[1])
+    out_kw, kw_keys = {}, []
+    for k in sorted(kwargs):
+        enc = encode_arg(kwargs[k], exact=k not in runtime)
+        if enc is None:
+            return None
+        out_kw[k] = enc[0]
+        kw_keys.append((k, enc[1]))
+    name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
+    return {"kernel": name, "args": out_args, "kwargs": out_kw}, (name, tuple(keys), tuple(kw_keys))
+
+
+def install_recorder(path: Path, prefix: str = "cosybatch.") -> Callable[[], None]:
+    """From now on, note every distinct variant of a kernel of module ``prefix...`` this process
+    launches, in ``path`` (JSON, rewritten on each new one, merged with what it already held, so
+    that several runs together list a profile's launches); returns the function that stops it.
+    ``COSYBATCH_RECORD_LAUNCHES=PATH`` turns it on for a ``synth`` or ``profile`` run."""
+    from triton.runtime.jit import JITFunction
+
+    records: list[dict] = load_launches(path)
+    seen = {_key(r) for r in records}
+    lock = threading.Lock()
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not warmup and self.fn.__module__.startswith(prefix):
+            rec = launch_record(self, args, kwargs)
+            if rec is not None:
+                with lock:
+                    if rec[1] not in seen:
+                        seen.add(rec[1])
+                        records.append(rec[0])
+                        tmp = path.with_suffix(".tmp")
+                        tmp.write_text(json.dumps(records, indent=0))
+                        os.replace(tmp, path)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = run
+
+    def stop() -> None:
+        JITFunction.run = original
+
+    return stop
+
+
+def _key(rec: dict) -> tuple:
+    """A stored entry's de-duplication key (``launch_record``'s)."""
+    def one(e: dict) -> tuple:
+        if "tensor" in e:
+            return ("tensor", e["tensor"])
+        v = e["value"]
+        if isinstance(v, bool) or v is None or isinstance(v, str) or e.get("exact"):
+            return ("value", v)
+        return ("int", _int_class(v)) if isinstance(v, int) else ("float",)
+
+    return (rec["kernel"], tuple(one(a) for a in rec["args"]),
+            tuple((k, one(v)) for k, v in sorted(rec["kwargs"].items())))
+
+
+# ------------------------------------------------------------------ compiling ahead
+
+
+def _decode(e: dict) -> Any:
+    if "tensor" in e:
+        import torch
+
+        return getattr(torch, e["tensor"])  # warmup stands a dtype in for an aligned tensor
+    return e["value"]
+
+
+def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[int, int]:
+    """Compile every ``shares``-th entry of ``records`` from the ``share``-th (into Triton's
+    cache, through ``warmup``, on this process's current device); (compiled, failed). An entry
+    that fails (a kernel renamed or gone, an argument list that no longer fits) is skipped: the
+    run then compiles that variant itself."""
+    done = failed = 0
+    for rec in records[share::shares]:
+        try:
+            module, name = rec["kernel"].split(":")
+            kernel = getattr(importlib.import_module(module), name)
+            kernel.warmup(*map(_decode, rec["args"]), grid=(1,), **{k: _decode(v) for k, v in rec["kwargs"].items()})
+            done += 1
+        except Exception as e:  # one stale entry must not stop the others
+            failed += 1
+            log.debug("precompile %s: %s", rec.get("kernel"), e)
+    return done, failed
+
+
+def load_launches(path: Path | None = None) -> list[dict]:
+    """A recorded launch list (the shipped one by default; [] when there is none or it does not
+    parse)."""
+    try:
+        records = json.loads((path or LAUNCHES).read_text())
+    except (OSError, ValueError):
+        return []
+    return records if isinstance(records, list) else []
+
+
+class AheadCompile:
+    """Helper processes that compile a launch list into Triton's cache while this process starts
+    up and runs (each its own share: compiling holds a process's GIL, so threads would not run
+    it in parallel, and here it would hold the GPU thread's). They end when done, or are
+    killed by ``stop`` (this process's exit): a kernel half-compiled is never in the cache,
+    whose entries Triton writes whole."""
+
+    def __init__(self, path: Path, n_records: int, workers: int):
+        self.procs: list[subprocess.Popen] = []
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        shares = min(workers, n_records)
+        for i in range(shares):
+            try:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(path), str(i), str(shares)], env=env,
+                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL, close_fds=True))
+            except OSError as e:
+                log.debug("cannot start a compiling process: %s", e)
+                break
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.procs = []
+
+
+def start_ahead_compile(cache_state: str, path: Path | None = None, workers: int | None = None) -> AheadCompile | None:
+    """On a cold cache with a launch list (the shipped one by default), start compiling it
+    ahead (``AheadCompile``, half the CPUs' worth of processes, at most 8)."""
+    if cache_state != "cold":
+        return None
+    path = path or LAUNCHES
+    n = len(load_launches(path))
+    if not n:
+        return None
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+    log.info("compiling %d recorded GPU kernel variants ahead in %d helper processes", n, min(workers, n))
+    return AheadCompile(path, n, workers)
+
+
+if __name__ == "__main__":  # one AheadCompile process: python -m cosybatch.gpu.triton_cache LIST SHARE SHARES
+    precompile(load_launches(Path(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))

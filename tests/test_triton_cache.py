@@ -1,0 +1,128 @@
+"""Triton's cache on this machine (``gpu/triton_cache.py``): launches recorded, replayed into the
+cache ahead of a run with the same cache key as the launch itself, and the helper processes
+that do it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cosybatch.gpu import triton_cache as T
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _kernel(module: str, name: str):
+    return SimpleNamespace(fn=SimpleNamespace(__module__=module, __name__=name))
+
+
+def test_a_launch_is_recorded_by_what_its_compiled_variant_depends_on():
+    """Tensors by dtype, integers by the classes Triton specialises on (1, multiples of 16,
+    the integer type), constexprs and launch options by value: two launches that differ only
+    in a length of the same class are one entry; a tensor off a 16-byte boundary cannot be
+    replayed (``warmup`` assumes alignment)."""
+    k = _kernel("cosybatch.codec.x", "_k")
+    x = torch.zeros(64)
+    rec, key = T.launch_record(k, (x, 32, 7, 1.5, None), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
+    assert rec == {"kernel": "cosybatch.codec.x:_k",
+                   "args": [{"tensor": "float32"}, {"value": 32}, {"value": 7}, {"value": 1.5}, {"value": None}],
+                   "kwargs": {"BLOCK": {"value": 64, "exact": True}, "FLAG": {"value": True, "exact": True},
+                              "num_warps": {"value": 4, "exact": True}}}
+    assert T._key(rec) == key
+    same = T.launch_record(k, (x, 48, 9, 2.5, None), {"BLOCK": 64, "FLAG": True, "num_warps": 4})[1]
+    assert same == key
+    for other in ((x.half(), 32, 7, 1.5, None), (x, 33, 7, 1.5, None), (x, 32, 1, 1.5, None), (x, 32, 2**40, 1.5, None)):
+        assert T.launch_record(k, other, {"BLOCK": 64, "FLAG": True, "num_warps": 4})[1] != key
+    assert T.launch_record(k, (x, 32, 7, 1.5, None), {"BLOCK": 128, "FLAG": True, "num_warps": 4})[1] != key
+    assert T.launch_record(k, (x[1:], 32, 7, 1.5, None), {}) is None  # 4 bytes past an aligned start
+
+
+def test_a_missing_or_broken_launch_list_is_empty(tmp_path):
+    assert T.load_launches(tmp_path / "none.json") == []
+    (tmp_path / "bad.json").write_text("{not json")
+    assert T.load_launches(tmp_path / "bad.json") == []
+    assert T.precompile([{"kernel": "cosybatch.nowhere:_k", "args": [], "kwargs": {}}]) == (0, 1)
+
+
+_NVIDIA = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("triton.backends.nvidia") is not None
+
+# A CUDA target without a GPU: Triton's NVIDIA backend compiles (its bundled ptxas, sm_90) and
+# writes the cache as on a GPU; the launch itself then fails, after the compile.
+_PROBE = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class Driver:
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+    def is_active(self): return True
+
+driver.set_active(Driver())
+from cosybatch.codec import triton_conv
+from cosybatch.gpu import triton_cache as T
+
+cache, listing = Path(os.environ["TRITON_CACHE_DIR"]), Path(sys.argv[1])
+entries = lambda: sorted(p.name for p in cache.iterdir())
+stop = T.install_recorder(listing)
+try:
+    triton_conv.bias_residual(torch.zeros(2, 5, 48), torch.zeros(48), torch.zeros(2, 5, 48))
+except Exception:
+    pass  # no GPU to launch on
+stop()
+records = T.load_launches(listing)
+compiled = entries()
+replayed = T.precompile(records)
+after = entries()
+odd = json.loads(json.dumps(records))
+odd[0]["args"][4]["value"] = 17  # a length of another class: another variant
+print(json.dumps({"records": records, "compiled": compiled, "replayed": replayed, "after": after,
+                  "odd": T.precompile(odd), "after_odd": entries()}))
+"""
+
+
+@pytest.mark.skipif(not _NVIDIA, reason="needs Triton's NVIDIA backend (it compiles without a GPU)")
+def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_path):
+    """The premise of compiling ahead: ``precompile`` of a recorded launch makes the cache entry
+    the launch itself made (no new entry), while another specialisation makes another."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    (tmp_path / "cache").mkdir()
+    res = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "list.json")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in out["records"]] == ["cosybatch.codec.triton_conv:_bias_residual_kernel"]
+    kernels = [e for e in out["compiled"] if e != "list.json"]
+    assert len(kernels) == 1, out["compiled"]
+    assert out["replayed"] == [1, 0] and out["after"] == out["compiled"]
+    assert out["odd"] == [1, 0] and len(out["after_odd"]) == len(out["after"]) + 1
+
+
+def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path):
+    listing = tmp_path / "list.json"
+    assert T.start_ahead_compile("cold", listing) is None  # no list
+    listing.write_text(json.dumps([{"kernel": "cosybatch.nowhere:_k", "args": [], "kwargs": {}}] * 3))
+    assert T.start_ahead_compile("warm", listing) is None
+    ahead = T.start_ahead_compile("cold", listing, workers=2)
+    assert ahead is not None and len(ahead.procs) == 2
+    t_end = time.monotonic() + 120
+    while any(p.poll() is None for p in ahead.procs) and time.monotonic() < t_end:
+        time.sleep(0.1)
+    assert [p.returncode for p in ahead.procs] == [0, 0]  # a stale entry is skipped, not fatal
+    ahead.stop()
+    ahead.stop()
+    assert ahead.procs == []
