@@ -62,49 +62,31 @@ def _int_class(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
 
 
-def encode_arg(v: Any, exact: bool = False) -> tuple[dict, Any] | None:
-    """(the argument as a launch list stores it, its class for de-duplication), or None for an
-    argument a launch list cannot replay (a tensor off a 16-byte boundary: ``warmup`` assumes
-    aligned pointers, so the variant it compiled would not be the one launched). ``exact``: a
-    constexpr or a launch option, whose value is the variant (an integer argument's is only
-    its class)."""
+def encode_arg(v: Any, exact: bool = False) -> dict | None:
+    """The argument as a launch list stores it, or None for one it cannot replay (a tensor off a
+    16-byte boundary: ``warmup`` assumes aligned pointers, so the variant it compiled would not
+    be the one launched). ``exact``: a constexpr or a launch option, whose value is the variant
+    (an integer argument's is only its class, ``_key``)."""
     if hasattr(v, "data_ptr") and hasattr(v, "dtype"):  # a tensor
-        if v.data_ptr() % 16:
-            return None
-        name = str(v.dtype).removeprefix("torch.")
-        return {"tensor": name}, ("tensor", name)
-    if isinstance(v, bool) or v is None or isinstance(v, str) or exact:
-        return {"value": v, **({"exact": True} if exact else {})}, ("value", v)
-    if isinstance(v, int):
-        return {"value": v}, ("int", _int_class(v))
-    if isinstance(v, float):
-        return {"value": v}, ("float",)
+        return None if v.data_ptr() % 16 else {"tensor": str(v.dtype).removeprefix("torch.")}
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return {"value": v, **({"exact": True} if exact else {})}
     return None
 
 
-def launch_record(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, tuple] | None:
-    """(a launch list entry, its de-duplication key) for ``kernel[grid](*args, **kwargs)``, or
-    None where an argument cannot be replayed. Keyword arguments are constexprs or launch
-    options unless the kernel's parameters say otherwise."""
+def launch_record(kernel: Any, args: tuple, kwargs: dict) -> dict | None:
+    """A launch list entry for ``kernel[grid](*args, **kwargs)``, or None where an argument
+    cannot be replayed. Keyword arguments are constexprs or launch options unless the kernel's
+    parameters say otherwise."""
     params = getattr(kernel, "params", None)
     names = [p.name for p in params] if params else []
     runtime = {p.name for p in params if not p.is_constexpr} if params else set()
-    out_args, keys = [], []
-    for i, a in enumerate(args):
-        enc = encode_arg(a, exact=bool(params) and i < len(names) and names[i] not in runtime)
-        if enc is None:
-            return None
-        out_args.append(enc[0])
-        keys.append(enc[1])
-    out_kw, kw_keys = {}, []
-    for k in sorted(kwargs):
-        enc = encode_arg(kwargs[k], exact=k not in runtime)
-        if enc is None:
-            return None
-        out_kw[k] = enc[0]
-        kw_keys.append((k, enc[1]))
-    name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
-    return {"kernel": name, "args": out_args, "kwargs": out_kw}, (name, tuple(keys), tuple(kw_keys))
+    out_args = [encode_arg(a, exact=bool(params) and i < len(names) and names[i] not in runtime)
+                for i, a in enumerate(args)]
+    out_kw = {k: encode_arg(v, exact=k not in runtime) for k, v in kwargs.items()}
+    if None in out_args or None in out_kw.values():
+        return None
+    return {"kernel": f"{kernel.fn.__module__}:{kernel.fn.__name__}", "args": out_args, "kwargs": out_kw}
 
 
 def install_recorder(path: Path, prefix: str = "cosybatch.") -> Callable[[], None]:
@@ -123,10 +105,11 @@ def install_recorder(path: Path, prefix: str = "cosybatch.") -> Callable[[], Non
         if not warmup and self.fn.__module__.startswith(prefix):
             rec = launch_record(self, args, kwargs)
             if rec is not None:
+                key = _key(rec)
                 with lock:
-                    if rec[1] not in seen:
-                        seen.add(rec[1])
-                        records.append(rec[0])
+                    if key not in seen:
+                        seen.add(key)
+                        records.append(rec)
                         tmp = path.with_suffix(".tmp")
                         tmp.write_text(json.dumps(records, indent=0))
                         os.replace(tmp, path)
@@ -141,7 +124,7 @@ def install_recorder(path: Path, prefix: str = "cosybatch.") -> Callable[[], Non
 
 
 def _key(rec: dict) -> tuple:
-    """A stored entry's de-duplication key (``launch_record``'s)."""
+    """What a launch list entry's compiled variant depends on (its de-duplication key)."""
     def one(e: dict) -> tuple:
         if "tensor" in e:
             return ("tensor", e["tensor"])
