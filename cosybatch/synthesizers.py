@@ -125,7 +125,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles.resolve import resolve
     from cosybatch.gpu.runtime import apply_process_settings, triton_available
-    from cosybatch.gpu.triton_cache import install_recorder, kernel_cache_state, start_ahead_compile, triton_cache_dir
+    from cosybatch.gpu.triton_cache import (install_recorder, kernel_cache_state, kernel_modules, load_launches, preload,
+                                            start_ahead_compile, triton_cache_dir)
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
     # This package's modules the loads below need are imported now, before their threads start:
@@ -151,7 +152,15 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
             start_ahead_compile(clock.kernel_cache)
         if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's tool: list this run's launches
             install_recorder(Path(os.environ["COSYBATCH_RECORD_LAUNCHES"]))
+    # On a warm cache the recorded launches are loaded beside the weights (design.md D37)
+    launches = load_launches() if clock.kernel_cache == "warm" else []
+    for name in kernel_modules(launches):
+        importlib.import_module(name)
     f = settings.frontend
+
+    def preload_kernels() -> int:
+        with _on(device):
+            return preload(launches)
 
     def build_frontend() -> Frontend:
         # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
@@ -185,6 +194,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
         with clock.parallel("loading (parallel)") as par:
             par.start("text normalizer", text_normalizer)
             fe = par.start("frontend", build_frontend)
+            if launches:
+                par.start("GPU kernels", preload_kernels)
             with par.part("models"):
                 models = load_models(model_dir, device=str(device))
         frontend = fe.result()

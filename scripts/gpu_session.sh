@@ -12,8 +12,9 @@
 #        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
-#        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for;
-#        cold16noahead: the same without compiling cosybatch/gpu/triton_launches.json ahead),
+#        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
+#        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
+#        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
 #        record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
 #        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
@@ -225,10 +226,8 @@ for step in "$@"; do
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
     cold16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # a first run on a machine: Triton's cache empty
       ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
-    cold16noahead) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # the same without compiling the shipped launch list ahead
-      L=cosybatch/gpu/triton_launches.json; [ -f $L ] && mv $L /tmp/launches.json
-      ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16noahead $WL/m16.lst )
-      [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
+    nolist:*) L=cosybatch/gpu/triton_launches.json  # a step without the shipped launch list (D37's A/B)
+      [ -f $L ] && mv $L /tmp/launches.json; OUT=$OUT bash "$0" "${step#nolist:}"; [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
     record) setup; log "record the Triton launches of synth (1,088 and 16 rows) and the seed profile at C32 and C64"
       export COSYBATCH_RECORD_LAUNCHES=$OUT/triton_launches.json; head -n 16 $WL/meta.lst > $WL/m16.lst
       synth_run record-synth; synth_run record-16 $WL/m16.lst

@@ -93,11 +93,22 @@ print(json.dumps({"records": records, "compiled": compiled, "replayed": replayed
                   "odd": T.precompile(odd), "after_odd": entries()}))
 """
 
+# A later process on the warm cache: the recorded launch is read from it into the kernel's
+# in-memory cache, where the run's launch finds it, and nothing is compiled again.
+_PRELOAD = _PROBE.split("cache, listing =")[0] + r"""
+cache, listing = Path(os.environ["TRITON_CACHE_DIR"]), Path(sys.argv[1])
+before = sorted(p.name for p in cache.iterdir())
+k = triton_conv._bias_residual_kernel
+n = T.preload(T.load_launches(listing))
+print(json.dumps({"loaded": n, "in_memory": len(k.device_caches[0][0]), "same_entries": before == sorted(p.name for p in cache.iterdir())}))
+"""
+
 
 @pytest.mark.skipif(not _NVIDIA, reason="needs Triton's NVIDIA backend (it compiles without a GPU)")
 def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_path):
     """The premise of compiling ahead: ``precompile`` of a recorded launch makes the cache entry
-    the launch itself made (no new entry), while another specialisation makes another."""
+    the launch itself made (no new entry), while another specialisation makes another; and
+    ``preload`` in a later process reads it into the kernel's in-memory cache, compiling nothing."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
     (tmp_path / "cache").mkdir()
@@ -110,6 +121,10 @@ def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_pa
     assert len(kernels) == 1, out["compiled"]
     assert out["replayed"] == [1, 0] and out["after"] == out["compiled"]
     assert out["odd"] == [1, 0] and len(out["after_odd"]) == len(out["after"]) + 1
+    res = subprocess.run([sys.executable, "-c", _PRELOAD, str(tmp_path / "list.json")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"loaded": 1, "in_memory": 1, "same_entries": True}
 
 
 def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path):

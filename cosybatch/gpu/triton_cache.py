@@ -166,6 +166,35 @@ def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[in
     return done, failed
 
 
+def preload(records: list[dict]) -> int:
+    """Load every entry of a launch list that Triton's cache holds into this process (the
+    kernel's in-memory cache and its CUDA module), on the current device, so that its first
+    launch in the run neither reads the disk nor loads a module; the number loaded. For a warm
+    cache, on a start-up thread beside the weights' loading (design.md D37): an entry the cache
+    lacks would be compiled here, so a cold cache is left to ``start_ahead_compile``."""
+    loaded = 0
+    for rec in records:
+        try:
+            module, name = rec["kernel"].split(":")
+            kernel = getattr(importlib.import_module(module), name)
+            compiled = kernel.warmup(*map(_decode, rec["args"]), grid=(1,),
+                                     **{k: _decode(v) for k, v in rec["kwargs"].items()})
+        except Exception as e:  # a stale entry: the run loads (or compiles) that variant itself
+            log.debug("preload %s: %s", rec.get("kernel"), e)
+            continue
+        loaded += 1
+        try:  # the CUDA module (Triton's private step; else it is loaded at the first launch)
+            getattr(compiled, "_init_handles", lambda: None)()
+        except Exception as e:
+            log.debug("preload %s: module not loaded: %s", rec.get("kernel"), e)
+    return loaded
+
+
+def kernel_modules(records: list[dict]) -> list[str]:
+    """The modules a launch list's kernels live in (imported before the start-up's threads)."""
+    return sorted({r["kernel"].split(":")[0] for r in records if isinstance(r.get("kernel"), str)})
+
+
 def load_launches(path: Path | None = None) -> list[dict]:
     """A recorded launch list (the shipped one by default; [] when there is none or it does not
     parse)."""
