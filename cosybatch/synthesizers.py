@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import platform
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,9 +159,15 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
         importlib.import_module(name)
     f = settings.frontend
 
+    stop_preload = threading.Event()  # set once the weights are in: the loading phase does not wait longer
+
     def preload_kernels() -> int:
         with _on(device):
-            return preload(launches)
+            loaded, stale = preload(launches, stop_preload)
+        if stale:  # another version's kernels in the cache: compile this one's beside the run
+            log.info("Triton's cache lacks kernels of this version: compiling them ahead")
+            start_ahead_compile("cold")
+        return loaded
 
     def build_frontend() -> Frontend:
         # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
@@ -198,6 +205,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
                 par.start("GPU kernels", preload_kernels)
             with par.part("models"):
                 models = load_models(model_dir, device=str(device))
+            stop_preload.set()
         frontend = fe.result()
     except BaseException:
         for h in helpers.values():

@@ -99,8 +99,13 @@ _PRELOAD = _PROBE.split("cache, listing =")[0] + r"""
 cache, listing = Path(os.environ["TRITON_CACHE_DIR"]), Path(sys.argv[1])
 before = sorted(p.name for p in cache.iterdir())
 k = triton_conv._bias_residual_kernel
-n = T.preload(T.load_launches(listing))
-print(json.dumps({"loaded": n, "in_memory": len(k.device_caches[0][0]), "same_entries": before == sorted(p.name for p in cache.iterdir())}))
+records = T.load_launches(listing)
+loaded = T.preload(records)
+same = before == sorted(p.name for p in cache.iterdir())
+odd = json.loads(json.dumps(records))
+odd[0]["args"][0] = {"tensor": "float16"}  # a variant no cache entry holds: compiled, so the cache is stale
+print(json.dumps({"loaded": loaded, "in_memory": len(k.device_caches[0][0]), "same_entries": same,
+                  "stale": T.preload(odd + records)}))
 """
 
 
@@ -124,7 +129,8 @@ def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_pa
     res = subprocess.run([sys.executable, "-c", _PRELOAD, str(tmp_path / "list.json")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"loaded": 1, "in_memory": 1, "same_entries": True}
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"loaded": [1, False], "in_memory": 1, "same_entries": True,
+                                                                "stale": [0, True]}
 
 
 def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path):

@@ -166,14 +166,25 @@ def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[in
     return done, failed
 
 
-def preload(records: list[dict]) -> int:
-    """Load every entry of a launch list that Triton's cache holds into this process (the
-    kernel's in-memory cache and its CUDA module), on the current device, so that its first
-    launch in the run neither reads the disk nor loads a module; the number loaded. For a warm
-    cache, on a start-up thread beside the weights' loading (design.md D37): an entry the cache
-    lacks would be compiled here, so a cold cache is left to ``start_ahead_compile``."""
-    loaded = 0
+def preload(records: list[dict], stop: threading.Event | None = None) -> tuple[int, bool]:
+    """Load the entries of a launch list into this process from Triton's cache (each kernel's
+    in-memory cache and its CUDA module), on the current device, so that their first launches
+    in the run neither read the disk nor load a module; for a warm cache, on a start-up thread
+    beside the weights' loading (design.md D37). Returns (loaded, stale): stale when an entry
+    was not in the cache (it was compiled here: the cache holds another version's kernels),
+    which ends the loop, as does ``stop`` being set (the weights are loaded)."""
+    cache = triton_cache_dir()
+
+    def entries() -> int:
+        try:
+            return len(os.listdir(cache))
+        except OSError:
+            return -1
+
+    loaded, before = 0, entries()
     for rec in records:
+        if stop is not None and stop.is_set():
+            break
         try:
             module, name = rec["kernel"].split(":")
             kernel = getattr(importlib.import_module(module), name)
@@ -182,12 +193,14 @@ def preload(records: list[dict]) -> int:
         except Exception as e:  # a stale entry: the run loads (or compiles) that variant itself
             log.debug("preload %s: %s", rec.get("kernel"), e)
             continue
+        if entries() != before:  # compiled here rather than read from the cache
+            return loaded, True
         loaded += 1
         try:  # the CUDA module (Triton's private step; else it is loaded at the first launch)
             getattr(compiled, "_init_handles", lambda: None)()
         except Exception as e:
             log.debug("preload %s: module not loaded: %s", rec.get("kernel"), e)
-    return loaded
+    return loaded, False
 
 
 def kernel_modules(records: list[dict]) -> list[str]:
