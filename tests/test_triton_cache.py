@@ -133,13 +133,22 @@ def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_pa
                                                                 "stale": [0, True]}
 
 
-def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path):
+def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path, monkeypatch):
+    """Helper processes start on a cold cache with a list, one process of a machine at a time
+    (a marker in the cache, taken over when older than ``CLAIM_S``), skip a stale entry and end."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     listing = tmp_path / "list.json"
     assert T.start_ahead_compile("cold", listing) is None  # no list
     listing.write_text(json.dumps([{"kernel": "cosybatch.nowhere:_k", "args": [], "kwargs": {}}] * 3))
     assert T.start_ahead_compile("warm", listing) is None
     ahead = T.start_ahead_compile("cold", listing, workers=2)
     assert ahead is not None and len(ahead.procs) == 2
+    marker = tmp_path / "cache" / T.CLAIM_NAME
+    assert marker.exists() and T.start_ahead_compile("cold", listing, workers=2) is None  # claimed
+    os.utime(marker, (time.time() - T.CLAIM_S - 1,) * 2)
+    again = T.start_ahead_compile("cold", listing, workers=1)  # a marker left by a killed process
+    assert again is not None
+    again.stop()
     t_end = time.monotonic() + 120
     while any(p.poll() is None for p in ahead.procs) and time.monotonic() < t_end:
         time.sleep(0.1)

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 KERNELS_SEEN = ("_conv1d_kernel", "_chunk_attn_kernel", "_matmul_kernel")
 # The launches recorded on a GPU (``recording``), compiled ahead when the cache is cold
 LAUNCHES = Path(__file__).with_name("triton_launches.json")
+# The marker of the one process of a machine compiling ahead, and when one is taken as stale
+CLAIM_NAME, CLAIM_S = ".cosybatch-compiling-ahead", 600.0
 
 
 def triton_cache_dir() -> Path:
@@ -247,6 +250,29 @@ class AheadCompile:
         self.procs = []
 
 
+def _claim(cache: Path) -> bool:
+    """Whether this process may compile ahead into ``cache``: one process of a machine at a time
+    (``--devices`` workers start together and share the cache), by a marker file that an exiting
+    process removes; one older than ``CLAIM_S`` is taken as left by a killed process."""
+    marker = cache / CLAIM_NAME
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            if time.time() - marker.stat().st_mtime < CLAIM_S:
+                return False
+            marker.unlink()
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except OSError:
+            return False
+    except OSError:
+        return False
+    os.close(fd)
+    atexit.register(marker.unlink, missing_ok=True)
+    return True
+
+
 def start_ahead_compile(cache_state: str, path: Path | None = None, workers: int | None = None) -> AheadCompile | None:
     """On a cold cache with a launch list (the shipped one by default), start compiling it
     ahead (``AheadCompile``, half the CPUs' worth of processes, at most 8)."""
@@ -255,6 +281,9 @@ def start_ahead_compile(cache_state: str, path: Path | None = None, workers: int
     path = path or LAUNCHES
     n = len(load_launches(path))
     if not n:
+        return None
+    if not _claim(triton_cache_dir()):
+        log.info("another process compiles this package's GPU kernels ahead")
         return None
     workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
     log.info("compiling %d recorded GPU kernel variants ahead in %d helper processes", n, min(workers, n))
