@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # this machine: the HiFT conv, the flow's attention and the AR engine's matmul (each with many
 # variants: in a first 1,088-row run on the H200, HiFT's slices alone took ~26 s longer, compiling)
 KERNELS_SEEN = ("_conv1d_kernel", "_chunk_attn_kernel", "_matmul_kernel")
-# The launches recorded on a GPU (``recording``), compiled ahead when the cache is cold
+# The launches recorded on a GPU (``install_recorder``): compiled ahead on a cold cache, preloaded on a warm one
 LAUNCHES = Path(__file__).with_name("triton_launches.json")
 # The marker of the one process of a machine compiling ahead, and when one is taken as stale
 CLAIM_NAME, CLAIM_S = ".cosybatch-compiling-ahead", 600.0
