@@ -15,7 +15,7 @@
 #        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
-#        record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
+#        cachetests (the GPU test of D37's premise), record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
 #        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
 #        start-up phases: what a small job waits for; alternate them, e.g. `startup16base=.base
@@ -228,6 +228,9 @@ for step in "$@"; do
       ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
     nolist:*) L=cosybatch/gpu/triton_launches.json  # a step without the shipped launch list (D37's A/B)
       [ -f $L ] && mv $L /tmp/launches.json; OUT=$OUT bash "$0" "${step#nolist:}"; [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
+    cachetests) log "pytest -m gpu tests/test_triton_cache.py (a launch compiled ahead or preloaded is the one a run finds)"
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_cache.py > "$OUT/cache_tests.txt" 2>&1
+      echo "rc=$?" >> "$OUT/cache_tests.txt"; tail -3 "$OUT/cache_tests.txt" | tee -a "$OUT/summary.txt" ;;
     record) setup; log "record the Triton launches of synth (1,088 and 16 rows) and the seed profile at C32 and C64"
       export COSYBATCH_RECORD_LAUNCHES=$OUT/triton_launches.json; head -n 16 $WL/meta.lst > $WL/m16.lst
       synth_run record-synth; synth_run record-16 $WL/m16.lst

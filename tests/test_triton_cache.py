@@ -156,3 +156,55 @@ def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_e
     ahead.stop()
     ahead.stop()
     assert ahead.procs == []
+
+
+# On a GPU, with the Triton it has: record a real launch, compile it ahead into an empty cache in
+# another process, then launch it in a third (after ``preload`` in a fourth): no new cache entry.
+_GPU_STEP = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+from cosybatch.codec import triton_conv
+from cosybatch.gpu import triton_cache as T
+
+step, listing = sys.argv[1], Path(sys.argv[2])
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+launch = lambda: triton_conv.bias_residual(*(torch.zeros(s, device="cuda") for s in ((2, 5, 48), (48,), (2, 5, 48))))
+if step == "record":
+    stop = T.install_recorder(listing)
+    launch()
+    stop()
+elif step == "ahead":
+    print(json.dumps(T.precompile(T.load_launches(listing))))
+elif step == "preload":
+    print(json.dumps(T.preload(T.load_launches(listing))))
+    launch()
+else:
+    launch()
+torch.cuda.synchronize()
+print(json.dumps(sorted(p.name for p in cache.iterdir())))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_a_launch_compiled_ahead_or_preloaded_is_the_one_the_run_finds(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+
+    def step(name: str, cache: str) -> list:
+        env["TRITON_CACHE_DIR"] = str(tmp_path / cache)
+        (tmp_path / cache).mkdir(exist_ok=True)
+        res = subprocess.run([sys.executable, "-c", _GPU_STEP, name, str(tmp_path / "list.json")], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return [json.loads(line) for line in res.stdout.strip().splitlines()]
+
+    step("record", "a")
+    assert [r["kernel"] for r in T.load_launches(tmp_path / "list.json")] == \
+        ["cosybatch.codec.triton_conv:_bias_residual_kernel"]
+    compiled, after = step("ahead", "b")
+    assert compiled == [1, 0] and len(after) == 1
+    assert step("launch", "b") == [after]  # the launch found what was compiled ahead
+    loaded, listing = step("preload", "b")
+    assert loaded == [1, False] and listing == after
