@@ -230,13 +230,13 @@ def _takes_profile(spec: str) -> bool:
     return not getattr(_load_factory(spec), "free_settings", False)
 
 
-def _check_profile(profile: str | None, overrides: list[str], stream: bool | None) -> None:
+def _check_profile(profile: str | None, overrides: list[str], stream: bool | None) -> Any:
     """Profile and --set errors (exit 2, one line) before any model is loaded; the factory
-    loads the profile again itself, so this changes nothing else."""
+    loads the profile again itself, so this changes nothing else. Returns the profile."""
     from cosybatch.profiles import ProfileError, load_profile
 
     try:
-        load_profile(profile, overrides, stream=stream)
+        return load_profile(profile, overrides, stream=stream)
     except ProfileError as e:
         _fail(f"profile: {e}")
 
@@ -391,8 +391,7 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     problem = _check_out_dir(out_dir)
     if problem:
         _fail(problem)
-    if _takes_profile(factory):
-        _check_profile(profile, overrides, stream)
+    checked = _check_profile(profile, overrides, stream) if _takes_profile(factory) else None
     opts = SynthOptions(model, profile, tuple(overrides), stream, audio.wav_subtype, overwrite, factory,
                         tuple(sys.argv[1:]), force_length=force_length,
                         prompt_cache=str(prompt_cache) if prompt_cache else None,
@@ -407,6 +406,14 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
 
         sys.exit(run_workers(man, out_dir, opts, devices=devices, workers=workers, device=device, outer=shard,
                              quiet=quiet, verbose=verbose))
+    # The fast engine's files are encoded in a helper process (run_synth's ``encoder``); it
+    # starts now, so that its imports (scipy: 1-3 s) are done by the first row rather than made
+    # in this process, on the GPU thread's GIL, while it warms up.
+    encoder = None
+    if factory == DEFAULT_FACTORY and checked is not None and checked.engine == "fast":
+        from cosybatch.helper_process import HelperProcess
+
+        encoder = HelperProcess("encoder", warm=(audio.prepare,), local_until_warm=True)
     try:
         with signals_decide_setup():
             synthesizer = opts.build(_device_for(device), _load_factory(factory))
@@ -418,10 +425,10 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     from cosybatch.run.progress import warn_failed_rows
     from cosybatch.run.synth import RunError, run_synth
 
-    with _closing(synthesizer):
+    with _closing(synthesizer), (contextlib.closing(encoder) if encoder else contextlib.nullcontext()):
         try:
             report = run_synth(man, synthesizer, out_dir, stream=opts.stream_for(synthesizer), audio_format=audio,
-                               overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:])
+                               overwrite=overwrite, shard=shard, quiet=quiet, argv=sys.argv[1:], encoder=encoder)
         except RunError as e:
             _fail(str(e))
     warn_failed_rows(log, report.failed, report.ledger_path)

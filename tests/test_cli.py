@@ -375,3 +375,33 @@ def test_check_show_text_prints_each_rows_pieces(tmp_path, model_dir):
     assert "  1. It costs $three.fifty on twelve/three/two thousand and twenty-five." in res.stdout.splitlines()
     res = _invoke("check", man, "--show-text")
     assert res.exit_code == 2 and "--show-text needs --model" in res.output
+
+
+def test_synth_starts_the_fast_engine_s_encoder_before_the_synthesizer(tmp_path, monkeypatch):
+    """The default (fast) engine's file encoder is a helper process started before the
+    synthesizer's start-up, so that its imports are done by the first row; the reference engine
+    encodes in-process and starts none."""
+    import cosybatch.helper_process as hp
+    from cosybatch.run.options import SynthOptions
+
+    order = []
+
+    class Helper:
+        def __init__(self, name, warm=None, local_until_warm=False):
+            order.append(name)
+
+        def close(self):
+            order.append("closed")
+
+    def build(self, device, factory):
+        order.append("build")
+        raise RuntimeError("no model here")
+
+    monkeypatch.setattr(hp, "HelperProcess", Helper)
+    monkeypatch.setattr(SynthOptions, "build", build)
+    man = make_manifest(tmp_path, 1)
+    for profile, want in (("default", ["encoder", "build"]), ("reference", ["build"])):
+        order.clear()
+        res = CliRunner().invoke(cli, ["synth", str(man), "--model", str(tmp_path), "--out", str(tmp_path / "o"),
+                                       "--profile", profile])
+        assert res.exit_code == 2 and order == want, (profile, order, res.output)

@@ -601,3 +601,31 @@ def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monk
         console = Console(record=True, width=120)
         console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "kernel_cache": state}}))
         assert ("compiled during this run" in console.export_text()) == shown
+
+
+def test_an_encoder_started_before_the_synthesizer_encodes_the_rows_of_one_that_drives_a_gpu(tmp_path):
+    """``run_synth(encoder=...)``: the helper the caller started early encodes every row of a
+    synthesizer with ``helper_processes`` (none is started in its place), and none of one without."""
+    class Encoder:
+        alive = True
+
+        def __init__(self):
+            self.calls = 0
+
+        def run(self, fn, *args):
+            self.calls += 1
+            return fn(*args)
+
+        def close(self):
+            pass
+
+    class OnGpuThread(FakeSynth):
+        helper_processes = True
+
+    man = make_manifest(tmp_path, 3)
+    enc = Encoder()
+    assert run_synth(read_manifest(man), OnGpuThread(), tmp_path / "a", quiet=True, encoder=enc).exit_code == 0
+    assert enc.calls == 3 and len(_ok_ids(tmp_path / "a")) == 3
+    enc = Encoder()
+    assert run_synth(read_manifest(man), FakeSynth(), tmp_path / "b", quiet=True, encoder=enc).exit_code == 0
+    assert enc.calls == 0 and len(_ok_ids(tmp_path / "b")) == 3

@@ -125,11 +125,13 @@ def _row_timing(row: ManifestRow, rec: dict[str, Any], resumed: bool, manifest: 
 def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, stream: bool = False,
               wav_subtype: str = "PCM_16", audio_format: AudioFormat | None = None, overwrite: bool = False,
               strict: bool = False, shard: Shard = ALL, quiet: bool = False, argv: list[str] | None = None,
-              timing_interval_s: float = 10.0, console: Any = None) -> RunReport:
+              timing_interval_s: float = 10.0, console: Any = None, encoder: Any = None) -> RunReport:
     """Synthesize this shard's valid rows into ``out_dir``; returns the exit code to use.
 
     ``audio_format``: the files' format, rate and loudness (default: WAV of ``wav_subtype`` at the
-    synthesizer's rate). Raises RunError (exit code 2) for problems found before any row runs: a
+    synthesizer's rate). ``encoder``: a ``HelperProcess`` warming ``audio_format.prepare`` that
+    the caller started before the synthesizer's start-up (see ``_Run._begin``); the caller
+    closes it. Raises RunError (exit code 2) for problems found before any row runs: a
     busy OUT, settings that differ from the files already there, an unusable format or rate.
     """
     out = Path(out_dir)
@@ -163,7 +165,7 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
         # finished row, so a re-run with nothing to do still reports the job's throughput.
         earlier = windows_for(out, set(plan.done))
         return _Run(manifest, synth, out, rows, plan, fp, fp_sha, invalid, stream, audio,
-                    shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console, earlier).go()
+                    shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console, earlier, encoder).go()
 
 
 @dataclass
@@ -186,6 +188,7 @@ class _Run:
     interval: float
     console: Any
     earlier: list[dict[str, Any]] = field(default_factory=list)  # windows that made the done rows
+    early_encoder: Any = None  # run_synth's ``encoder``
 
     def __post_init__(self) -> None:
         self.t_start = time.time()  # the window opens here: start-up is reported beside it
@@ -304,10 +307,14 @@ class _Run:
         # the thread iterating its rows (``helper_processes``) has them encoded in a helper
         # process, which imports them itself: a row's loudness measurement holds the GIL for
         # milliseconds (scipy's lfilter, pyloudnorm's gating loop), and the GPU thread needs it.
+        # Until that process has imported them, rows are encoded here (importing them here, which
+        # holds the GIL for seconds on a slow host): ``synth`` starts it before the synthesizer's
+        # start-up (``early_encoder``), so that it is ready by the first row.
         if getattr(self.synth, "helper_processes", False):
             from cosybatch.helper_process import HelperProcess
 
-            self.encoder = HelperProcess("encoder", warm=(self.audio.prepare,), local_until_warm=True)
+            self.encoder = self.early_encoder or HelperProcess("encoder", warm=(self.audio.prepare,),
+                                                               local_until_warm=True)
         if self.encoder is None or not self.encoder.alive:
             self.audio.prepare()
         # A synthesizer may prepare for the run's size (FastSynthesizer: start-up graph captures
