@@ -125,9 +125,8 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     from cosybatch.checkpoint import load_config, load_models
     from cosybatch.frontend.frontend import Frontend
     from cosybatch.profiles.resolve import resolve
-    from cosybatch.gpu.runtime import apply_process_settings, triton_available
-    from cosybatch.gpu.triton_cache import (install_recorder, kernel_cache_state, kernel_modules, load_launches, preload,
-                                            start_ahead_compile, triton_cache_dir)
+    from cosybatch.gpu.runtime import apply_process_settings
+    from cosybatch.gpu.triton_cache import preload, start_ahead_compile
     from cosybatch.scheduler.pipeline import FastPipeline
     from cosybatch.scheduler.startup import StartupClock
     # This package's modules the loads below need are imported now, before their threads start:
@@ -143,20 +142,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
     settings = resolve(profile, cfg, device)
     apply_process_settings(settings.process)
     clock = StartupClock(device)
-    if device.type == "cuda" and triton_available():
-        clock.kernel_cache = kernel_cache_state()
-        if clock.kernel_cache == "cold":
-            log.warning("Triton's cache (%s) holds no GPU kernel of this package: this run compiles them as it "
-                        "first needs each one and is slower (2.5 times on an H200); later runs read them from "
-                        "the cache", triton_cache_dir())
-            # the recorded launches, compiled beside this start-up and run (design.md D37)
-            start_ahead_compile(clock.kernel_cache)
-        if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's tool: list this run's launches
-            install_recorder(Path(os.environ["COSYBATCH_RECORD_LAUNCHES"]))
-    # On a warm cache the recorded launches are loaded beside the weights (design.md D37)
-    launches = load_launches() if clock.kernel_cache == "warm" else []
-    for name in kernel_modules(launches):
-        importlib.import_module(name)
+    launches = _kernel_cache(clock, device)
     f = settings.frontend
 
     stop_preload = threading.Event()  # set once the weights are in: the loading phase does not wait longer
@@ -245,6 +231,34 @@ def _ahead_of_rows(load) -> None:
         load()
     except Exception:  # noqa: BLE001
         log.debug("built ahead of the rows: failed; the rows will say why", exc_info=True)
+
+
+def _kernel_cache(clock, device: torch.device) -> list[dict]:
+    """Triton's kernel cache at start-up (design.md D37): on CUDA, whether it is cold (recorded
+    in ``clock``, said in the log, and the recorded launches then compiled ahead in helper
+    processes) and, when ``COSYBATCH_RECORD_LAUNCHES`` is set, this run's launches recorded.
+    Returns the recorded launches to preload beside the weights (a warm cache), their modules
+    imported on this thread; else []."""
+    from cosybatch.gpu.runtime import triton_available
+    from cosybatch.gpu.triton_cache import (install_recorder, kernel_cache_state, kernel_modules, load_launches,
+                                            start_ahead_compile, triton_cache_dir)
+
+    if device.type != "cuda" or not triton_available():
+        return []
+    clock.kernel_cache = kernel_cache_state()
+    if clock.kernel_cache == "cold":
+        log.warning("Triton's cache (%s) holds no GPU kernel of this package: this run compiles them as it first "
+                    "needs each one and is slower (2.5 times on an H200); later runs read them from the cache",
+                    triton_cache_dir())
+        start_ahead_compile(clock.kernel_cache)
+    if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's switch: list this run's launches
+        install_recorder(Path(os.environ["COSYBATCH_RECORD_LAUNCHES"]))
+    if clock.kernel_cache != "warm":
+        return []
+    launches = load_launches()
+    for name in kernel_modules(launches):
+        importlib.import_module(name)
+    return launches
 
 
 def _on(device: torch.device):

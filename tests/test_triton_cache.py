@@ -158,6 +158,30 @@ def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_e
     assert ahead.procs == []
 
 
+def test_start_up_marks_a_cold_cache_compiles_ahead_and_preloads_only_a_warm_one(tmp_path, monkeypatch, caplog):
+    """``synthesizers._kernel_cache``: on CUDA, a cold cache is recorded, logged and handed to
+    the compiling helpers (nothing to preload); a warm one returns the launch list to preload."""
+    import cosybatch.gpu.runtime as runtime
+    from cosybatch import synthesizers
+    from cosybatch.scheduler.startup import StartupClock
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "triton_available", lambda: True)
+    started = []
+    monkeypatch.setattr(T, "start_ahead_compile", lambda state, *a, **k: started.append(state))
+    listing = [{"kernel": "cosybatch.codec.triton_conv:_bias_residual_kernel", "args": [], "kwargs": {}}]
+    monkeypatch.setattr(T, "load_launches", lambda path=None: listing)
+    clock = StartupClock()
+    assert synthesizers._kernel_cache(clock, torch.device("cpu")) == [] and clock.kernel_cache is None
+    with caplog.at_level("WARNING"):
+        assert synthesizers._kernel_cache(clock, torch.device("cuda")) == []
+    assert clock.kernel_cache == "cold" and started == ["cold"] and "holds no GPU kernel" in caplog.text
+    (tmp_path / "X").mkdir()
+    (tmp_path / "X" / "_matmul_kernel.json").write_text("{}")
+    assert synthesizers._kernel_cache(clock, torch.device("cuda")) == listing
+    assert clock.kernel_cache == "warm" and started == ["cold"] and clock.as_dict()["kernel_cache"] == "warm"
+
+
 # On a GPU, with the Triton it has: record a real launch, compile it ahead into an empty cache in
 # another process, then launch it in a third (after ``preload`` in a fourth): no new cache entry.
 _GPU_STEP = r"""
