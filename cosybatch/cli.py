@@ -134,15 +134,15 @@ def _leave(code: Any) -> None:
     Leaving this way also passes one of our engine's daemon threads (named ``cosybatch-*``)
     still inside native code, where finalization would abort the process (``close()`` should
     have joined them; debug level: nothing the user can act on). What finalization would do
-    for others still happens: non-daemon threads are waited for, atexit hooks (Ray's
-    shutdown, multiprocessing's children) run."""
+    for others still happens: non-daemon threads are waited for (an idle thread pool's told to
+    stop first), atexit hooks (Ray's shutdown, multiprocessing's children) run."""
     left = [t.name for t in threading.enumerate()
             if t.daemon and t.is_alive() and t.name.startswith("cosybatch")]
     if left:
         log.debug("exiting without waiting for %d thread(s) still running: %s", len(left), ", ".join(left))
-    for t in threading.enumerate():
-        if not t.daemon and t is not threading.current_thread():
-            t.join()
+    # What finalization does first, in its order: threading's exit hooks (an idle thread pool's
+    # workers told to stop), the non-daemon threads joined, then the atexit hooks.
+    threading._shutdown()
     atexit._run_exitfuncs()
     if not (code is None or isinstance(code, int)):
         print(code, file=sys.stderr)  # sys.exit("message") semantics

@@ -38,9 +38,11 @@ def _ok_ids(out: Path) -> list[str]:
 @pytest.mark.parametrize("code,rc,err", [(None, 0, ""), (3, 3, ""), ("stopped: why", 1, "stopped: why")])
 def test_the_process_leaves_without_finalizing_yet_keeps_what_finalizing_would_do(code, rc, err):
     """``cli._leave``: ``sys.exit(code)``'s status and message, after waiting for non-daemon
-    threads and running the atexit hooks (other libraries' shutdowns), then ``os._exit``."""
-    script = ("import atexit, sys, threading, time; from cosybatch import cli\n"
+    threads (an idle thread pool's too, which must be told to stop first) and running the
+    atexit hooks (other libraries' shutdowns), then ``os._exit``."""
+    script = ("import atexit, concurrent.futures, sys, threading, time; from cosybatch import cli\n"
               "atexit.register(lambda: print('hook ran', flush=True))\n"
+              "pool = concurrent.futures.ThreadPoolExecutor(1); pool.submit(time.sleep, 0).result()  # left idle\n"
               "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
               f"cli._leave({code!r})\n"
               "print('not reached')\n")
