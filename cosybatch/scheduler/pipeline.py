@@ -250,9 +250,7 @@ class FastPipeline:
         """The start-up flow captures the constructor was told to leave (``precapture_flow``):
         before the first request, timed as a start-up phase, and not counted as the window's."""
         self._precapture_flow()
-        self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
-        self.acct.reset()
-        self.util.reset()
+        self.timeline(reset=True)  # the window starts after them
 
     def _precapture_flow(self) -> None:
         """Capture every flow bucket this run's solves of ``flow_graph_precapture_from`` to
