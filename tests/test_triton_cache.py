@@ -57,7 +57,7 @@ _NVIDIA = importlib.util.find_spec("triton") is not None and importlib.util.find
 
 # A CUDA target without a GPU: Triton's NVIDIA backend compiles (its bundled ptxas, sm_90) and
 # writes the cache as on a GPU; the launch itself then fails, after the compile.
-_PROBE = r"""
+_FAKE_GPU = r"""
 import json, os, sys
 from pathlib import Path
 import torch
@@ -76,6 +76,8 @@ from cosybatch.codec import triton_conv
 from cosybatch.gpu import triton_cache as T
 
 cache, listing = Path(os.environ["TRITON_CACHE_DIR"]), Path(sys.argv[1])
+"""
+_PROBE = _FAKE_GPU + r"""
 entries = lambda: sorted(p.name for p in cache.iterdir())
 stop = T.install_recorder(listing)
 try:
@@ -95,8 +97,7 @@ print(json.dumps({"records": records, "compiled": compiled, "replayed": replayed
 
 # A later process on the warm cache: the recorded launch is read from it into the kernel's
 # in-memory cache, where the run's launch finds it, and nothing is compiled again.
-_PRELOAD = _PROBE.split("cache, listing =")[0] + r"""
-cache, listing = Path(os.environ["TRITON_CACHE_DIR"]), Path(sys.argv[1])
+_PRELOAD = _FAKE_GPU + r"""
 before = sorted(p.name for p in cache.iterdir())
 k = triton_conv._bias_residual_kernel
 records = T.load_launches(listing)

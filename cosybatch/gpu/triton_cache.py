@@ -151,6 +151,14 @@ def _decode(e: dict) -> Any:
     return e["value"]
 
 
+def _warmup(rec: dict) -> Any:
+    """Triton's ``warmup`` of a launch list entry: its compiled kernel, from the process's
+    in-memory cache, else the disk cache, else compiled now (raises for a stale entry)."""
+    module, name = rec["kernel"].split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    return kernel.warmup(*map(_decode, rec["args"]), grid=(1,), **{k: _decode(v) for k, v in rec["kwargs"].items()})
+
+
 def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[int, int]:
     """Compile every ``shares``-th entry of ``records`` from the ``share``-th (into Triton's
     cache, through ``warmup``, on this process's current device); (compiled, failed). An entry
@@ -159,9 +167,7 @@ def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[in
     done = failed = 0
     for rec in records[share::shares]:
         try:
-            module, name = rec["kernel"].split(":")
-            kernel = getattr(importlib.import_module(module), name)
-            kernel.warmup(*map(_decode, rec["args"]), grid=(1,), **{k: _decode(v) for k, v in rec["kwargs"].items()})
+            _warmup(rec)
             done += 1
         except Exception as e:  # one stale entry must not stop the others
             failed += 1
@@ -189,10 +195,7 @@ def preload(records: list[dict], stop: threading.Event | None = None) -> tuple[i
         if stop is not None and stop.is_set():
             break
         try:
-            module, name = rec["kernel"].split(":")
-            kernel = getattr(importlib.import_module(module), name)
-            compiled = kernel.warmup(*map(_decode, rec["args"]), grid=(1,),
-                                     **{k: _decode(v) for k, v in rec["kwargs"].items()})
+            compiled = _warmup(rec)
         except Exception as e:  # a stale entry: the run loads (or compiles) that variant itself
             log.debug("preload %s: %s", rec.get("kernel"), e)
             continue
