@@ -70,6 +70,7 @@ class Driver:
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
     def get_active_torch_device(self): return torch.device("cpu")
     def is_active(self): return True
+    def launcher_cls(self, src, metadata): return None  # (a launcher would need the CUDA driver)
 
 driver.set_active(Driver())
 from cosybatch.codec import triton_conv

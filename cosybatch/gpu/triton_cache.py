@@ -159,15 +159,24 @@ def _warmup(rec: dict) -> Any:
     return kernel.warmup(*map(_decode, rec["args"]), grid=(1,), **{k: _decode(v) for k, v in rec["kwargs"].items()})
 
 
+def _launcher(compiled: Any) -> None:
+    """Build a compiled kernel's launcher as its first launch would (Triton's private step; some
+    Triton versions compile a C launcher per signature into the cache), without loading the
+    kernel onto a GPU: a helper process needs no CUDA context for it."""
+    from triton.runtime import driver
+
+    driver.active.launcher_cls(compiled.src, compiled.metadata)
+
+
 def precompile(records: list[dict], share: int = 0, shares: int = 1) -> tuple[int, int]:
     """Compile every ``shares``-th entry of ``records`` from the ``share``-th (into Triton's
-    cache, through ``warmup``, on this process's current device); (compiled, failed). An entry
-    that fails (a kernel renamed or gone, an argument list that no longer fits) is skipped: the
-    run then compiles that variant itself."""
+    cache, through ``warmup``, for this process's current device), each with its launcher;
+    (compiled, failed). An entry that fails (a kernel renamed or gone, an argument list that no
+    longer fits) is skipped: the run then compiles that variant itself."""
     done = failed = 0
     for rec in records[share::shares]:
         try:
-            _warmup(rec)
+            _launcher(_warmup(rec))
             done += 1
         except Exception as e:  # one stale entry must not stop the others
             failed += 1
@@ -190,10 +199,11 @@ def preload(records: list[dict], stop: threading.Event | None = None) -> tuple[i
         except OSError:
             return -1
 
-    loaded, before = 0, entries()
+    loaded = 0
     for rec in records:
         if stop is not None and stop.is_set():
             break
+        before = entries()  # (loading a module below may add a launcher's entry: not a stale kernel)
         try:
             compiled = _warmup(rec)
         except Exception as e:  # a stale entry: the run loads (or compiles) that variant itself
