@@ -387,23 +387,6 @@ def test_graph_pool_evicts_lru_and_survives_capture_failure(flow, reference_dir)
     assert runner.graphs.stats.captures == 2
 
 
-def test_solves_from_the_eager_size_step_eagerly_and_equal_their_graphs(flow, reference_dir):
-    """``graph_eager_from``: buckets of at least that many tokens per branch are never captured
-    live (their steps run eagerly on the same buffers, the same ops), smaller ones are."""
-    rows = _long_rows(reference_dir, [40, 90, 150], seed=6)
-    graphed = _bucketed(flow)
-    want = [graphed.run([FlowJob(n, t, p, None)])[0] for n, p, t, _ in rows]
-    strides = sorted(label[0] for label in (c[:2] for c in graphed.graphs.stats.capture_log))
-    assert len(strides) == 3 and strides[1] < strides[2]
-    mixed = _bucketed(flow, graph_eager_from=strides[2])
-    got = [mixed.run([FlowJob(n, t, p, None)])[0] for n, p, t, _ in rows]
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
-    st = mixed.graphs.stats
-    assert st.captures == 2 and sorted(c[0] for c in st.capture_log) == strides[:2]
-    assert 0 < st.eager_steps < st.steps and st.replays == st.steps - st.eager_steps
-
-
 def test_batched_conditioning_matches_per_job_token_features(flow):
     from cosybatch.codec.flow_conditioning import JobInputs, mu_frames
 

@@ -25,7 +25,6 @@ class CodecConfig:
     flow_graph_capacity: int
     flow_graph_precapture: int | None  # start-up capture up to this many tokens per branch; None: lazy
     flow_graph_precapture_from: int  # ... from this many
-    flow_graph_eager_from: int | None  # solves of at least this many tokens per branch: eager steps
     hift_graphs: bool
     hift_graph_capacity: int
     hift_graph_counters: int

@@ -91,12 +91,10 @@ class FlowGraphs:
     """Step buffers and graphs per layout bucket, on the ``GraphSlots`` cache every graph cache
     shares: a bucket's slot holds its buffers and, once captured (at first sight, D16), its graph."""
 
-    def __init__(self, step: StepFn, capacity: int = 32, capture: Capture | None = None, enabled: bool = True,
-                 eager_from: int | None = None):
+    def __init__(self, step: StepFn, capacity: int = 32, capture: Capture | None = None, enabled: bool = True):
         if capacity < 1:
             raise ValueError("flow graph capacity must be >= 1")
         self.step_fn = step
-        self.eager_from = eager_from  # buckets of at least this many tokens per branch are not captured live
         self.capture = capture if capture is not None else CudaCapture()
         self.enabled = enabled
         self.slots = GraphSlots(capacity, max_counters=max(capacity, 128), name="flow")
@@ -123,7 +121,7 @@ class FlowGraphs:
         """One Euler step over ``e.buffers``: replayed, captured now, or eager."""
         st = self.stats
         st.steps += 1
-        if e.replay is None and self.enabled and not self.slots.disabled(key) and not self._large(key):
+        if e.replay is None and self.enabled and not self.slots.disabled(key):
             self._capture(key, e)
         if e.replay is not None:
             st.replays += 1
@@ -131,12 +129,6 @@ class FlowGraphs:
             return
         st.eager_steps += 1
         self.step_fn(e.buffers)
-
-    def _large(self, key: Hashable) -> bool:
-        """A bucket whose steps run eagerly: there the GPU's step outlasts the host's launches,
-        so a graph saves no GPU time, while its capture would stop the GPU (design.md D27)."""
-        stride = _bucket_label(key)[0]
-        return self.eager_from is not None and isinstance(stride, int) and stride >= self.eager_from
 
     def precapture(self, key: Hashable, make: Callable[[], StepBuffers]) -> int:
         """Make the bucket's entry and capture its step now (start-up); 1 if captured. Like live

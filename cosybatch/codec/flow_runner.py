@@ -79,7 +79,6 @@ class FlowRunner:
         compile: bool = False,
         graphs: bool = False,
         graph_capacity: int = 256,
-        graph_eager_from: int | None = None,
         capture: Capture | None = None,
         conv_form: str | None = None,
         triton_kernels: bool = False,
@@ -90,8 +89,7 @@ class FlowRunner:
         """``chunk_causal_final=True`` is an opt-in optimisation (design.md D4): final hops keep
         the chunk-causal mask and reuse the prefix instead of one full-attention recompute.
         ``graphs``: replay captured Euler steps per layout bucket (CUDA with a varlen attention
-        backend; ``capture`` injects the mechanism for tests; solves of ``graph_eager_from`` tokens
-        per branch or more step eagerly). ``triton_kernels`` (CUDA): the
+        backend; ``capture`` injects the mechanism for tests). ``triton_kernels`` (CUDA): the
         head-0 rotary as one Triton kernel per layer, not five, and the position convs as
         Triton kernels (``conv_form``, one of ``ConvPositionEmbed.FORMS``; by default
         ``"triton"`` with ``triton_kernels`` where the DiT's width allows it, else cuDNN's
@@ -155,7 +153,7 @@ class FlowRunner:
         t = self.tables
         t.chain, t.kv_writes, t.fill, t.merge = ("chain" in fusions, "kv" in fusions, "fill" in fusions,
                                                  "merge" in fusions)
-        self.graphs = FlowGraphs(self._step, graph_capacity, capture, eager_from=graph_eager_from) if graphs else None
+        self.graphs = FlowGraphs(self._step, graph_capacity, capture) if graphs else None
         self.max_jobs = max_jobs
         if graphs and self.device.type == "cuda":
             # Captured steps hold the arena's address, so every growth re-captures every bucket
@@ -173,8 +171,7 @@ class FlowRunner:
     def from_config(cls, flow: CausalMaskedDiffWithDiT, cfg: CodecConfig) -> "FlowRunner":
         return cls(flow, dtype=cfg.flow_dtype, attention=cfg.attention, prefix_budget_bytes=cfg.prefix_budget_bytes,
                    chunk_causal_final=cfg.chunk_causal_final, compile=cfg.flow_compile, graphs=cfg.flow_graphs,
-                   graph_capacity=cfg.flow_graph_capacity, graph_eager_from=cfg.flow_graph_eager_from,
-                   triton_kernels=cfg.triton_kernels,
+                   graph_capacity=cfg.flow_graph_capacity, triton_kernels=cfg.triton_kernels,
                    max_jobs=cfg.max_num_seqs)
 
     # ------------------------------------------------------------------ setup

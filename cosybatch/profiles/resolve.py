@@ -94,7 +94,7 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
         chunk_causal_final=o.chunk_causal_final, flow_compile=o.flow_compile,
         flow_graphs=o.flow_graphs and cuda, flow_graph_capacity=o.flow_graph_capacity,
         flow_graph_precapture=o.flow_graph_precapture if cuda else None,
-        flow_graph_precapture_from=o.flow_graph_precapture_from, flow_graph_eager_from=o.flow_graph_eager_from,
+        flow_graph_precapture_from=o.flow_graph_precapture_from,
         hift_graphs=o.hift_graphs and cuda, hift_graph_capacity=o.hift_graph_capacity,
         hift_graph_counters=o.hift_graph_counters, hift_graph_capture_after=o.hift_graph_capture_after,
         hift_graph_precapture=o.hift_graph_precapture if cuda else (),

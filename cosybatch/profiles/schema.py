@@ -219,12 +219,6 @@ class Optimizations:
     # ... and of at least this many (the buckets a run's solves are sized to, e.g. around
     # codec.solve_tokens / 2 in whole responses, without the hundred smaller ones)
     flow_graph_precapture_from: int = 0
-    # Solves of at least this many tokens per branch run their Euler steps eagerly rather than
-    # capture a graph at first sight (design.md D27): there a step's GPU time (~45 ms at 16,384
-    # per branch) outlasts the host's launches many times over, while a capture stops the GPU
-    # for its warm-up and pool growth (0.4-0.8 s each for the run's last, largest solves);
-    # null: every bucket is captured. Buckets already captured keep replaying.
-    flow_graph_eager_from: int | None = None
     flow_compile: bool = False
     prefix_reuse: bool = False
     prefix_budget_gb: float = 8.0
@@ -429,7 +423,6 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.flow_graph_capacity": (lambda v: v >= 1, "must be >= 1"),
     "optimizations.flow_graph_precapture": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "optimizations.flow_graph_precapture_from": (lambda v: v >= 0, "must be >= 0"),
-    "optimizations.flow_graph_eager_from": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "frontend.batch_bucket_s": (lambda v: v > 0, "must be > 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
@@ -491,11 +484,6 @@ def cross_check(p: Profile, who: str) -> None:
                                          or o.flow_graph_precapture_from > o.flow_graph_precapture):
         raise ProfileError(f"{who}: optimizations.flow_graph_precapture_from needs optimizations.flow_graph_precapture "
                            f"at least as large, got {at('optimizations.flow_graph_precapture_from')} and "
-                           f"{at('optimizations.flow_graph_precapture')}")
-    if o.flow_graph_eager_from is not None and o.flow_graph_precapture is not None \
-            and o.flow_graph_eager_from <= o.flow_graph_precapture:
-        raise ProfileError(f"{who}: optimizations.flow_graph_eager_from must exceed optimizations.flow_graph_precapture "
-                           f"(the band captured at start-up), got {at('optimizations.flow_graph_eager_from')} and "
                            f"{at('optimizations.flow_graph_precapture')}")
     if o.hift_graph_counters < o.hift_graph_capacity:
         raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
