@@ -127,6 +127,13 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _profiled() -> bool:
+    """Whether a profiler watches this process (``python -m cProfile -m cosybatch ...``): it
+    writes its output after the command returns, which leaving at once would skip."""
+    mon = getattr(sys, "monitoring", None)  # Python 3.12+: cProfile registers as the profiler tool
+    return sys.getprofile() is not None or (mon is not None and mon.get_tool(mon.PROFILER_ID) is not None)
+
+
 def _leave(code: Any) -> None:
     """End the process once the command is done, with ``sys.exit(code)``'s status, without the
     interpreter's finalization: every output is closed and on disk by now, and tearing down
@@ -135,7 +142,10 @@ def _leave(code: Any) -> None:
     still inside native code, where finalization would abort the process (``close()`` should
     have joined them; debug level: nothing the user can act on). What finalization would do
     for others still happens: non-daemon threads are waited for (an idle thread pool's told to
-    stop first), atexit hooks (Ray's shutdown, multiprocessing's children) run."""
+    stop first), atexit hooks (Ray's shutdown, multiprocessing's children) run. Under a
+    profiler, the ordinary exit, so that the profile is written."""
+    if _profiled():
+        sys.exit(code)
     left = [t.name for t in threading.enumerate()
             if t.daemon and t.is_alive() and t.name.startswith("cosybatch")]
     if left:

@@ -259,14 +259,16 @@ PY
       echo "rc=$?" >> "$OUT/startup_tests.txt"; grep -E "passed|failed|error|SKIP" "$OUT/startup_tests.txt" | tail -20 ;;
     synthcache) setup; log "synth default --force-length twice with one --prompt-cache: cold, then every prompt from the cache"
       rm -rf /tmp/pc; for run in cold cached; do synth_run synth-$run $WL/meta.lst --prompt-cache /tmp/pc; done ;;
-    synthhost) setup; log "synth default --force-length under cProfile (the scheduling thread): where its host time goes"
+    synthhost|synthhost=*) setup; n=${step#synthhost}; n=${n#=}; man=$WL/meta.lst  # synthhost=N: the first N rows (a ramp and a drain)
+      [ -n "$n" ] && { head -n "$n" $WL/meta.lst > $WL/m$n.lst; man=$WL/m$n.lst; }
+      log "synth default --force-length ${n:+($n rows) }under cProfile (the scheduling thread): where its host time goes"
       rm -rf /tmp/synth-host
-      timeout 400 python3 -m cProfile -o "$OUT/synth-host.pstats" -m cosybatch synth $WL/meta.lst --model $CKPT \
-        --out /tmp/synth-host --device cuda --force-length --quiet > "$OUT/synth-host.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-host.txt"
-      python3 - "$OUT/synth-host.pstats" <<'PY' | tee -a "$OUT/synth-host.txt"
+      timeout 400 python3 -m cProfile -o "$OUT/synth-host$n.pstats" -m cosybatch synth $man --model $CKPT \
+        --out /tmp/synth-host --device cuda --force-length --quiet > "$OUT/synth-host$n.txt" 2>&1; echo "rc=$?" >> "$OUT/synth-host$n.txt"
+      python3 - "$OUT/synth-host$n.pstats" <<'PY' | tee -a "$OUT/synth-host$n.txt"
 import pstats, sys
 st = pstats.Stats(sys.argv[1])
-st.sort_stats("cumulative").print_stats("_launch_ar|_run_batch|launch_features|prefill_launch|decode_launch|run_solve|step", 25)
+st.sort_stats("cumulative").print_stats("_launch_ar|_run_batch|launch_features|prefill_launch|decode_launch|run_solve|step|frontend", 40)
 st.sort_stats("tottime").print_stats(30)
 st.sort_stats("tottime").print_callers("pin_memory|synchronize|'item'|tolist|'copy_'|'to'", 12)
 PY

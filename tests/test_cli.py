@@ -51,6 +51,16 @@ def test_the_process_leaves_without_finalizing_yet_keeps_what_finalizing_would_d
     assert res.stderr.strip() == err
 
 
+def test_under_a_profiler_the_process_exits_the_ordinary_way_so_the_profile_is_written(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text("from cosybatch import cli\ncli._leave(3)\nprint('not reached')\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.pstats"), str(script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    # (cProfile's runner swallows the SystemExit: its own status is 0)
+    assert "not reached" not in res.stdout and (tmp_path / "p.pstats").stat().st_size > 0, res.stderr
+
+
 def test_help_is_fast_and_hides_the_test_hook():
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", "import sys; from cosybatch.cli import main; main(['synth', '--help'])"],
