@@ -46,6 +46,26 @@ def test_a_launch_is_recorded_by_what_its_compiled_variant_depends_on():
     assert T.launch_record(k, (x[1:], 32, 7, 1.5, None), {}) is None  # 4 bytes past an aligned start
 
 
+def _lengths(x_ptr, n, T, BLOCK):  # a kernel's signature (its body is never compiled here)
+    pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_an_integer_the_kernel_does_not_specialise_on_counts_only_by_its_type():
+    """``do_not_specialize`` lengths: every value of one integer type is one variant (Triton's
+    key keeps only the type), so a launch list holds each such variant once."""
+    from triton.runtime.jit import JITFunction
+
+    k = JITFunction(_lengths, do_not_specialize=["T"])
+    x = torch.zeros(64)
+    rec = T.launch_record(k, (x, 32, 1600), {"BLOCK": 64})
+    assert rec["args"][2] == {"value": 1600, "any": True} and rec["args"][1] == {"value": 32}
+    key = T._key(rec)
+    assert all(T._key(T.launch_record(k, (x, 32, t), {"BLOCK": 64})) == key for t in (1, 17, 24001))
+    assert T._key(T.launch_record(k, (x, 32, 2**40), {"BLOCK": 64})) != key  # another integer type
+    assert T._key(T.launch_record(k, (x, 33, 1600), {"BLOCK": 64})) != key  # n is specialised
+
+
 def test_a_missing_or_broken_launch_list_is_empty(tmp_path):
     assert T.load_launches(tmp_path / "none.json") == []
     (tmp_path / "bad.json").write_text("{not json")

@@ -65,15 +65,16 @@ def _int_class(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
 
 
-def encode_arg(v: Any, exact: bool = False) -> dict | None:
+def encode_arg(v: Any, exact: bool = False, any_class: bool = False) -> dict | None:
     """The argument as a launch list stores it, or None for one it cannot replay (a tensor off a
     16-byte boundary: ``warmup`` assumes aligned pointers, so the variant it compiled would not
     be the one launched). ``exact``: a constexpr or a launch option, whose value is the variant
-    (an integer argument's is only its class, ``_key``)."""
+    (an integer argument's is only its class, ``_key``); ``any_class``: an integer the kernel
+    does not specialise on (``do_not_specialize``), whose value counts only by its type."""
     if hasattr(v, "data_ptr") and hasattr(v, "dtype"):  # a tensor
         return None if v.data_ptr() % 16 else {"tensor": str(v.dtype).removeprefix("torch.")}
     if isinstance(v, (bool, int, float, str)) or v is None:
-        return {"value": v, **({"exact": True} if exact else {})}
+        return {"value": v, **({"exact": True} if exact else {}), **({"any": True} if any_class else {})}
     return None
 
 
@@ -84,7 +85,9 @@ def launch_record(kernel: Any, args: tuple, kwargs: dict) -> dict | None:
     params = getattr(kernel, "params", None)
     names = [p.name for p in params] if params else []
     runtime = {p.name for p in params if not p.is_constexpr} if params else set()
-    out_args = [encode_arg(a, exact=bool(params) and i < len(names) and names[i] not in runtime)
+    anyc = {p.name for p in params if getattr(p, "do_not_specialize", False)} if params else set()
+    out_args = [encode_arg(a, exact=bool(params) and i < len(names) and names[i] not in runtime,
+                           any_class=i < len(names) and names[i] in anyc)
                 for i, a in enumerate(args)]
     out_kw = {k: encode_arg(v, exact=k not in runtime) for k, v in kwargs.items()}
     if None in out_args or None in out_kw.values():
@@ -134,7 +137,9 @@ def _key(rec: dict) -> tuple:
         v = e["value"]
         if isinstance(v, bool) or v is None or isinstance(v, str) or e.get("exact"):
             return ("value", v)
-        return ("int", _int_class(v)) if isinstance(v, int) else ("float",)
+        if not isinstance(v, int):
+            return ("float",)
+        return ("int", _int_class(v)[2:] if e.get("any") else _int_class(v))
 
     return (rec["kernel"], tuple(one(a) for a in rec["args"]),
             tuple((k, one(v)) for k, v in sorted(rec["kwargs"].items())))
