@@ -241,14 +241,16 @@ def _kernel_cache(clock, device: torch.device) -> list[dict]:
     imported on this thread; else []."""
     from cosybatch.gpu.runtime import triton_available
     from cosybatch.gpu.triton_cache import (install_recorder, kernel_cache_state, kernel_modules, load_launches,
-                                            start_ahead_compile, triton_cache_dir)
+                                            start_ahead_compile, triton_cache_dir, watch_compiles)
 
     if device.type != "cuda" or not triton_available():
         return []
+    watch_compiles()
     clock.kernel_cache = kernel_cache_state()
     if clock.kernel_cache == "cold":
-        log.warning("Triton's cache (%s) holds no GPU kernel of this package: this run compiles them as it first "
-                    "needs each one and is slower (2.5 times on an H200); later runs read them from the cache",
+        log.warning("Triton's cache (%s) holds no GPU kernel of this package: helper processes compile them while "
+                    "this run starts, which compiles the rest itself as it first needs each one and is slower (on "
+                    "an H200 a first 16-row job ~24 s against ~8); later runs read them from the cache",
                     triton_cache_dir())
         start_ahead_compile(clock.kernel_cache)
     if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's switch: list this run's launches

@@ -117,7 +117,8 @@ with open(sys.argv[2], "a") as f:  # one line per run in $OUT/summary.txt
     f.write(f"{sys.argv[3]}: {t.get('audio_s_per_s'):.1f} audio-s/s, kernel-active {(tl.get('gpu_kernel') or {}).get('kernel_active_share')}, "
             "GPU-ms/audio-s " + " ".join(f"{k} {b.get(k)}" for k in ("wall", "flow_steps", "captures", "hift", "prefill", "frontend"))
             + f", window {t.get('wall_s')} s, start-up {(t.get('startup') or {}).get('total_s')} s "
-            f"(flow graphs {((t.get('startup') or {}).get('phases_s') or {}).get('flow graphs')}, kernel cache {(t.get('startup') or {}).get('kernel_cache')})\n")
+            f"(flow graphs {((t.get('startup') or {}).get('phases_s') or {}).get('flow graphs')}, kernel cache {(t.get('startup') or {}).get('kernel_cache')}), "
+            f"Triton in the window {tl.get('kernel_compiles')}\n")
 PY
   grep -m1 "^real" "$OUT/$tag.txt" | sed "s/^/$tag: whole command /" >> "$OUT/summary.txt"
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"

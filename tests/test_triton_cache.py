@@ -155,6 +155,42 @@ def test_a_recorded_launch_compiled_ahead_is_the_variant_the_launch_finds(tmp_pa
                                                                 "stale": [0, True]}
 
 
+# A run's launches as the compile watch sees them: compiled into an empty cache, then (a later
+# process) read from it; a preload's warm-up is not a launch.
+_WATCH = _FAKE_GPU + r"""
+watch = T.watch_compiles()
+if sys.argv[2] == "preload":
+    T.preload(T.load_launches(listing))
+else:
+    T.install_recorder(listing)
+try:
+    triton_conv.bias_residual(torch.zeros(2, 5, 48), torch.zeros(48), torch.zeros(2, 5, 48))
+except Exception:
+    pass  # no GPU to launch on: the variant was compiled or read before the launch failed
+print(json.dumps({"log": watch.log, "since": watch.since(0)}))
+"""
+
+
+@pytest.mark.skipif(not _NVIDIA, reason="needs Triton's NVIDIA backend")
+def test_the_compile_watch_tells_a_compile_in_the_run_from_a_read_of_the_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    (tmp_path / "cache").mkdir()
+
+    def run(step: str) -> dict:
+        res = subprocess.run([sys.executable, "-c", _WATCH, str(tmp_path / "list.json"), step], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    name = "cosybatch.codec.triton_conv:_bias_residual_kernel"
+    first = run("launch")
+    assert first["log"] == [[name, True]]
+    assert first["since"] == {"compiled": 1, "loaded": 0, "compiled_kernels": [name]}
+    assert run("launch")["log"] == [[name, False]]  # the variant read from the disk cache
+    assert run("preload")["log"] == []  # preloaded (a warm-up, not listed): the launch found it in memory
+
+
 def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path, monkeypatch):
     """Helper processes start on a cold cache with a list, one process of a machine at a time
     (a marker in the cache, taken over when older than ``CLAIM_S``), skip a stale entry and end."""
@@ -191,6 +227,7 @@ def test_start_up_marks_a_cold_cache_compiles_ahead_and_preloads_only_a_warm_one
     monkeypatch.setattr(runtime, "triton_available", lambda: True)
     started = []
     monkeypatch.setattr(T, "start_ahead_compile", lambda state, *a, **k: started.append(state))
+    monkeypatch.setattr(T, "watch_compiles", lambda: None)  # (Triton's hooks are process-wide)
     listing = [{"kernel": "cosybatch.codec.triton_conv:_bias_residual_kernel", "args": [], "kwargs": {}}]
     monkeypatch.setattr(T, "load_launches", lambda path=None: listing)
     clock = StartupClock()
@@ -226,7 +263,9 @@ elif step == "preload":
     print(json.dumps(T.preload(T.load_launches(listing))))
     launch()
 else:
+    watch = T.watch_compiles()
     launch()
+    print(json.dumps(watch.log))
 torch.cuda.synchronize()
 print(json.dumps(sorted(p.name for p in cache.iterdir())))
 """
@@ -253,6 +292,7 @@ def test_on_the_gpu_a_launch_compiled_ahead_or_preloaded_is_the_one_the_run_find
     # the entries a launch writes (on a GPU the kernel's and the driver's launcher utilities'),
     # content-hashed, so a cache compiled ahead holds the same names as one a run filled
     assert compiled == [1, 0] and after == launched
-    assert step("launch", "b") == [after]  # the launch found what was compiled ahead
+    # the launch found what was compiled ahead: read from the disk cache, as the watch tells
+    assert step("launch", "b") == [[["cosybatch.codec.triton_conv:_bias_residual_kernel", False]], after]
     loaded, listing = step("preload", "b")
     assert loaded == [1, False] and listing == after

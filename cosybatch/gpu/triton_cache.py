@@ -145,6 +145,91 @@ def _key(rec: dict) -> tuple:
             tuple((k, one(v)) for k, v in sorted(rec["kwargs"].items())))
 
 
+# ------------------------------------------------------------------ watching a run
+
+
+class CompileWatch:
+    """The kernel variants this process's launches had to compile or read from the disk cache
+    (a launch the in-memory cache did not hold), through Triton's JIT hooks: ``log`` lists
+    (kernel, compiled) in order, compiled True when the variant's cache entry was written after
+    the launch asked for it (compiled here, or by a helper meanwhile: the launch waited), False
+    when it was read from the disk cache. The timeline counts them inside its window, as it
+    counts graph captures. Warm-ups (``preload``) are not launches and are not listed."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bool]] = []
+        self._asked = threading.local()
+        self._lock = threading.Lock()
+
+    def install(self) -> bool:
+        """Chain the hooks onto Triton's (False where this Triton has none)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        rt = knobs.runtime
+        if not (hasattr(rt, "jit_cache_hook") and hasattr(rt, "jit_post_compile_hook")):
+            return False
+        before, after = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+        def asked(**kw):
+            if not kw.get("is_manual_warmup"):
+                self._asked.t = time.time()
+            return before(**kw) if before else None  # (a true value would skip the compile)
+
+        def done(**kw):
+            t0 = getattr(self._asked, "t", None)
+            self._asked.t = None
+            if t0 is not None and not kw.get("is_manual_warmup"):
+                name, compiled = self._entry(kw, t0)
+                with self._lock:
+                    self.log.append((name, compiled))
+            return after(**kw) if after else None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = asked, done
+        return True
+
+    def _entry(self, kw: dict, t0: float) -> tuple[str, bool]:
+        fn, spec = kw.get("fn"), kw.get("compile") or {}
+        jit = getattr(fn, "jit_function", None)
+        name = f"{getattr(fn, 'module', '?')}:{getattr(fn, 'name', '?')}"
+        try:
+            from triton.runtime.cache import get_cache_manager
+
+            kernel = jit.device_caches[spec["device"]][0][spec["key"]]
+            meta = get_cache_manager(kernel.hash).get_file(f"{kernel.name}.json")
+            # File times are coarse (a few ms): an entry written in the last 50 ms before the
+            # launch asked is one a helper just finished, which the launch waited for too.
+            return name, meta is None or os.stat(meta).st_mtime >= t0 - 0.05
+        except (ImportError, AttributeError, KeyError, IndexError, TypeError, OSError):
+            return name, True  # not found on disk: not read from it
+
+    def since(self, start: int) -> dict:
+        """What the launches from entry ``start`` of the log compiled and read."""
+        with self._lock:
+            part = self.log[start:]
+        compiled = sorted({k for k, c in part if c})
+        return {"compiled": sum(c for _, c in part), "loaded": sum(not c for _, c in part),
+                "compiled_kernels": compiled}
+
+
+WATCH = CompileWatch()
+_watching = False
+
+
+def watch_compiles() -> CompileWatch | None:
+    """Install ``WATCH`` once per process (on a GPU with Triton; None where it cannot)."""
+    global _watching
+    if not _watching:
+        _watching = WATCH.install()
+    return watching()
+
+
+def watching() -> CompileWatch | None:
+    """``WATCH`` once installed, else None."""
+    return WATCH if _watching else None
+
+
 # ------------------------------------------------------------------ compiling ahead
 
 

@@ -34,6 +34,7 @@ from cosybatch.engine.llm_engine import LLMEngine
 from cosybatch.engine.request import RequestFailed, SamplingParams
 from cosybatch.gpu.hostcopy import h2d
 from cosybatch.gpu.streams import on_stream
+from cosybatch.gpu.triton_cache import watching
 from cosybatch.scheduler.settings import RunSettings
 from cosybatch.prompt import PromptFeatures
 from cosybatch.scheduler.protocol import Event, SynthRequest
@@ -162,6 +163,7 @@ class FastPipeline:
         self._counter_base: dict[str, int] = {}
         # captures made before the first request (start-up) are not the window's
         self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
+        self._compile_base = len(watching().log) if watching() else 0
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
@@ -227,6 +229,10 @@ class FastPipeline:
             if g and "captures" in g:
                 g["captures_in_window"] = g["captures"] - self._capture_base.get(k, 0)
         out["graphs"] = graphs
+        # Triton kernel variants the window's launches compiled or read from the disk cache: what
+        # neither the shipped launch list nor start-up's preload covered (design.md D37)
+        watch = watching()
+        out["kernel_compiles"] = watch.since(self._compile_base) if watch else None
         # The flow's arithmetic rate inside the pipeline: its work (linear, conv and attention;
         # padding not counted) over the GPU time of its steps and captures (a capture also runs
         # its step once eagerly, so this errs low). What the flow costs decides most targets.
@@ -244,6 +250,7 @@ class FastPipeline:
             self._counter_base = now
             self._lives.clear()
             self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
+            self._compile_base = len(watch.log) if watch else 0
         return out
 
     def precapture_flow_graphs(self) -> None:
