@@ -10,8 +10,13 @@ DEMO_OUT ?= demo_out
 .PHONY: venv test-venv test test-portable test-gpu demo clean
 
 # pip's byte-compiling of every installed module (torch's thousands) is most of an install's time
-# on 2 cores; Python compiles what it imports on first use anyway.
+# on 2 cores; Python compiles what it imports on first use anyway, and keeps the bytecode for the
+# next process -- unless PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines): then
+# every process compiles torch's source again, ~1.5 s each on 2 cores, and the tests start many
+# (docs/design.md D38). Make's commands keep the bytecode in the venv, outside the source tree.
 PIP_NO_COMPILE := --no-compile
+export PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
+unexport PYTHONDONTWRITEBYTECODE
 
 # Two stages: `venv` has what running cosybatch needs (all `make demo` installs); `test-venv`
 # adds the test extras (pytest, hypothesis and Ray, by far the largest download).

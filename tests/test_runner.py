@@ -629,3 +629,46 @@ def test_an_encoder_started_before_the_synthesizer_encodes_the_rows_of_one_that_
     enc = Encoder()
     assert run_synth(read_manifest(man), FakeSynth(), tmp_path / "b", quiet=True, encoder=enc).exit_code == 0
     assert enc.calls == 0 and len(_ok_ids(tmp_path / "b")) == 3
+
+
+def test_a_run_whose_imports_compile_source_every_time_is_told(tmp_path, monkeypatch, caplog):
+    """``bytecode_state``: "missing" when an imported module left no bytecode where the next
+    process looks for it (``PYTHONDONTWRITEBYTECODE``, or a folder it cannot write), "cached"
+    once it is there (beside the source or under ``PYTHONPYCACHEPREFIX``); the start-up clock
+    records it, says it once in the log, and the summary names it."""
+    import importlib
+    import logging
+    import sys
+
+    from rich.console import Console
+
+    from cosybatch.run.progress import summary_table
+    from cosybatch.scheduler import startup
+
+    (tmp_path / "cb_bytecode_probe").mkdir()
+    (tmp_path / "cb_bytecode_probe" / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.invalidate_caches()
+    importlib.import_module("cb_bytecode_probe")
+    monkeypatch.delitem(sys.modules, "cb_bytecode_probe")
+    assert not (tmp_path / "cb_bytecode_probe" / "__pycache__").exists()
+    assert startup.bytecode_state("cb_bytecode_probe") == "missing"
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pyc"))  # PYTHONPYCACHEPREFIX
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert startup.bytecode_state("cb_bytecode_probe") == "missing"  # not there yet
+    importlib.import_module("cb_bytecode_probe")  # writes it
+    assert any((tmp_path / "pyc").rglob("*.pyc"))
+    assert startup.bytecode_state("cb_bytecode_probe") == "cached"
+
+    monkeypatch.setattr(startup, "bytecode_state", lambda module="torch": "missing")
+    monkeypatch.setattr(startup, "_told_bytecode", False)
+    with caplog.at_level(logging.WARNING, logger="cosybatch.scheduler.startup"):
+        clocks = [startup.StartupClock(None) for _ in range(2)]
+    assert caplog.text.count("every run compiles its source again") == 1
+    assert all(c.as_dict()["bytecode"] == "missing" for c in clocks)
+    for state, shown in (("missing", True), ("cached", False)):
+        console = Console(record=True, width=120)
+        console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "bytecode": state}}))
+        assert ("compiled from source" in console.export_text()) == shown

@@ -118,6 +118,8 @@ def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Tab
         t.add_row("start-up before the first row (s)", _fmt_s(startup))
     if (totals.get("startup") or {}).get("kernel_cache") == "cold":
         t.add_row("GPU kernels", "compiled during this run (a first run on this machine: slower)")
+    if (totals.get("startup") or {}).get("bytecode") == "missing":
+        t.add_row("Python imports", "compiled from source, as every run will (see the log)")
     this = totals.get("this_run")
     if this and (this.get("audio_s"), this.get("wall_s")) != (totals.get("audio_s"), totals.get("wall_s")):
         _rate_rows(t, this, "this run: ")
