@@ -66,6 +66,37 @@ def test_an_integer_the_kernel_does_not_specialise_on_counts_only_by_its_type():
     assert T._key(T.launch_record(k, (x, 33, 1600), {"BLOCK": 64})) != key  # n is specialised
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_shipped_launch_list_names_the_package_s_kernels_as_they_are():
+    """Every entry of ``gpu/triton_launches.json`` names a kernel of the package, with as many
+    arguments as it has runtime parameters and keywords among its constexprs and launch
+    options; an integer the kernel does not specialise on is marked so (what the recorder
+    writes now: a kernel that stopped specialising a length no longer needs one entry per
+    divisibility class); no two entries are one variant."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    records = T.load_launches()
+    assert records, "the package ships a launch list"
+    keys = set()
+    for rec in records:
+        module, name = rec["kernel"].split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        if not isinstance(kernel, JITFunction):  # Triton's interpreter (the CPU tests) wraps the function
+            kernel = JITFunction(kernel.fn, **kernel.kwargs)
+        params = kernel.params
+        runtime = [p for p in params if not p.is_constexpr]
+        assert len(rec["args"]) <= len(params) and len(rec["args"]) >= len(runtime), rec["kernel"]
+        for p, a in zip(params, rec["args"]):
+            if isinstance(a.get("value"), int) and not isinstance(a["value"], bool) and not p.is_constexpr:
+                assert a.get("any", False) == bool(p.do_not_specialize), (rec["kernel"], p.name)
+        constexprs = {p.name for p in params if p.is_constexpr}
+        assert set(rec["kwargs"]) <= constexprs | {"num_warps", "num_stages", "enable_fp_fusion"}, rec["kernel"]
+        keys.add(T._key(rec))
+    assert len(keys) == len(records)
+
+
 def test_a_missing_or_broken_launch_list_is_empty(tmp_path):
     assert T.load_launches(tmp_path / "none.json") == []
     (tmp_path / "bad.json").write_text("{not json")

@@ -126,7 +126,7 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
                              ROT=triton.next_power_of_2(rot), num_warps=1, enable_fp_fusion=False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compiled kernel for every token count (n only bounds a mask)
 def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, rows_ptr, n, row_stride, inner, dst_stride, cs_stride,
                       rot, ROT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     tok = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -411,7 +411,9 @@ def _hash32(lo, hi, step, draw: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr
     return _mix(((h + GOLD) & M32) ^ lo, C1, C2, M32)
 
 
-@triton.jit
+# n only bounds a mask: unspecialised, a row count of another divisibility class is no new
+# variant (one per BLOCK, all of which a run's launch list holds; else one compiled in the run)
+@triton.jit(do_not_specialize=["n"])
 def _uniforms_kernel(lo_ptr, hi_ptr, step_ptr, out_ptr, n, DRAWS: tl.constexpr, BLOCK: tl.constexpr,
                      C1: tl.constexpr, C2: tl.constexpr, M32: tl.constexpr, GOLD: tl.constexpr, SALT: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
