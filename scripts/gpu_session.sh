@@ -13,8 +13,11 @@
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
 #        unpacked there: a baseline commit in the same lease)
 #        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
+#        bytecode:STEP (STEP with Python's bytecode kept under /tmp/pycache, where the image sets
+#        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
+#        pyc (does every import compile source on this host? import time with a pycache prefix),
 #        cachetests (the GPU test of D37's premise), record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
 #        startup16, startup16base=DIR (the whole `synth` command over 16 rows, timed, with its
@@ -227,6 +230,8 @@ for step in "$@"; do
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first
     cold16) setup; head -n 16 $WL/meta.lst > $WL/m16.lst  # a first run on a machine: Triton's cache empty
       ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
+    bytecode:*) echo "-- ${step#bytecode:} with bytecode kept (PYTHONPYCACHEPREFIX=/tmp/pycache, design.md D38):" >> "$OUT/summary.txt"
+      PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/pycache OUT=$OUT bash "$0" "${step#bytecode:}" ;;
     nolist:*) L=cosybatch/gpu/triton_launches.json  # a step without the shipped launch list (D37's A/B)
       [ -f $L ] && mv $L /tmp/launches.json; OUT=$OUT bash "$0" "${step#nolist:}"; [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
     cachetests) log "pytest -m gpu tests/test_triton_cache.py (a launch compiled ahead or preloaded is the one a run finds)"
@@ -241,6 +246,25 @@ for step in "$@"; do
     startup16base=*) setup; d=${step#startup16base=}
       [ -d "$d/cosybatch" ] || { log "startup16base: $d/cosybatch not found"; continue; }
       head -n 16 $WL/meta.lst > $WL/m16.lst; ( cd "$d" && synth_run "startup16-${d//[^A-Za-z0-9_.-]/_}" $WL/m16.lst ) ;;
+    pyc) log "bytecode: does an import compile source every time (no writable __pycache__)? import time with and without a pycache prefix"
+      python3 - <<'PY' 2>&1 | tee "$OUT/pyc.txt"
+import importlib.util, os, sys
+spec = importlib.util.find_spec("torch")
+print("dont_write_bytecode", sys.dont_write_bytecode, "PYTHONDONTWRITEBYTECODE", os.environ.get("PYTHONDONTWRITEBYTECODE"),
+      "pycache_prefix", sys.pycache_prefix)
+print("torch", spec.origin, "cached", spec.cached, "exists", os.path.exists(spec.cached),
+      "dir writable", os.access(os.path.dirname(spec.origin), os.W_OK))
+PY
+      cnt='import builtins, time, collections; n = collections.Counter(); c0 = builtins.compile
+def count(src, filename, *a, **k):
+    n[str(filename).split("site-packages/")[-1].split("/")[0]] += 1
+    return c0(src, filename, *a, **k)
+builtins.compile = count; t = time.perf_counter(); import torch, numpy, cosybatch.cli
+print(f"{time.perf_counter() - t:.2f} s, compile calls", sum(n.values()), n.most_common(6))'
+      for i in 1 2; do python3 -c "$cnt" 2>&1 | sed "s/^/plain $i: /" | tee -a "$OUT/pyc.txt"; done
+      for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pycache python3 -c "$cnt" 2>&1 | sed "s/^/prefix $i: /" | tee -a "$OUT/pyc.txt"; done
+      for i in 1 2; do PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/pycache2 python3 -c "$cnt" 2>&1 | sed "s/^/prefix, writing $i: /" | tee -a "$OUT/pyc.txt"; done
+      grep -E "^(plain|prefix)" "$OUT/pyc.txt" | cut -c1-160 >> "$OUT/summary.txt" ;;
     startupimports) setup; head -n 16 $WL/meta.lst > $WL/m16.lst; log "synth over 16 rows under -X importtime"
       rm -rf /tmp/startupimports
       python3 -X importtime -m cosybatch synth $WL/m16.lst --model $CKPT --out /tmp/startupimports --device cuda \
