@@ -88,7 +88,7 @@ def _run(pipe, rows, stream, concurrency):
 
 
 @pytest.mark.parametrize("mode", ["full", "streaming"])
-@pytest.mark.parametrize("beside", [None, "frontend_stream", "hift_stream"])
+@pytest.mark.parametrize("beside", [None, "frontend_stream", "hift_stream", "first_hop"])
 def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_dir, mode, beside):
     """The fast pipeline in float32 on CUDA gives the official tokens and waves, HiFT from its
     graphs, each shape captured when first seen (the streaming profiles' graphs; whole responses
@@ -99,9 +99,13 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
     calls and graph replays on a stream of their own, each after its mels' solves, the mels'
     memory kept until HiFT has read it. A missing order (a launch reading inputs not yet copied,
     HiFT reading a mel not yet written or already reused, a result read before its copy landed)
-    would change prompts, tokens or waves."""
+    would change prompts, tokens or waves. ``codec.first_hop_beside`` (D39): rows' first hops
+    solved apart, before the steps of a solve in progress, through its graph buckets."""
     stream = mode == "streaming"
-    extra = [f"scheduler.{beside}=beside"] if beside else []
+    if beside == "first_hop" and not stream:
+        pytest.skip("first hops are solved apart in streaming only")
+    extra = (["codec.first_hop_beside=true", "codec.deadline_lead_ms=500"] if beside == "first_hop"
+             else [f"scheduler.{beside}=beside"] if beside else [])
     pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}", "optimizations.hift_graphs=true",
                                              "optimizations.hift_graph_capture_after=1"] + extra)
     if beside == "frontend_stream":
@@ -110,7 +114,9 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
         assert (pipe.codec.hift_stream is not None) == (DEV.type == "cuda")
     chunks, tokens = _run(pipe, fixture_rows(fixtures_dir), stream, len(ROWS))
     graphs = pipe.timeline()["graphs"]
+    counts = dict(pipe.codec.counts)
     pipe.close()
+    assert counts["first_jobs"] == (len(ROWS) if beside == "first_hop" else 0), counts
     want_tokens, want = official(reference_dir, stream)
     assert tokens == want_tokens
     for row in ROWS:
@@ -148,13 +154,16 @@ def test_bf16_row_alone_equals_the_row_packed_with_others(parts, fixtures_dir, m
         assert snr >= PACKED_MIN_SNR_DB, (mode, u, snr)
 
 
-@pytest.mark.parametrize("mode", ["full", "streaming"])
-def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_dir, mode):
+@pytest.mark.parametrize("mode,apart", [("full", False), ("streaming", False), ("streaming", True)])
+def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_dir, mode, apart):
     """Mels, not waveforms: the sine source's phase is a running sum of F0 over the utterance, so
     any mel change (bf16 rounding included) turns into phase drift (f0 x (1 + 1e-4) alone gives
-    ~6 dB). The mels the codec hands HiFT are the quantity bf16 changes."""
+    ~6 dB). The mels the codec hands HiFT are the quantity bf16 changes. ``apart``: rows' first
+    hops solved apart (``codec.first_hop_beside``, D39), beside the graphed steps of a solve in
+    progress, which must keep their own buffers and the arena's address."""
     stream = mode == "streaming"
-    pipe = _pipeline(parts, ["ar.dtype=float32"] + SMALL + [f"mode={mode}"])
+    extra = ["codec.first_hop_beside=true", "codec.deadline_lead_ms=500"] if apart else []
+    pipe = _pipeline(parts, ["ar.dtype=float32"] + SMALL + [f"mode={mode}"] + extra)
     mels, run = {}, pipe.codec.hift.run
 
     def record(jobs):
@@ -165,7 +174,9 @@ def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_
     pipe.codec.hift.run = record
     _, tokens = _run(pipe, fixture_rows(fixtures_dir), stream, len(ROWS))
     flow = pipe.timeline()["graphs"]["flow"]
+    counts = dict(pipe.codec.counts)
     pipe.close()
+    assert counts["first_jobs"] == (len(ROWS) if apart else 0), counts
     want_tokens, _ = official(reference_dir, stream)
     assert tokens == want_tokens  # a float32 LM: the official tokens, so the mels are comparable
     assert DEV.type != "cuda" or flow["replays"] > 0, flow

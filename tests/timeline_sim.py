@@ -35,6 +35,7 @@ class _Row:
     audio_s: float = 0.0
     hops: list = field(default_factory=list)  # (chunk, policy.ReadyHop) ready, in order
     underrun_s: float = 0.0
+    first_ready: float | None = None  # when its first hop was ready
 
     @property
     def deadline(self) -> float:
@@ -45,6 +46,7 @@ class _Row:
 class SimResult:
     solves: list[int]  # transformer tokens per Euler step, one entry per solve
     first_wait_s: list[float]  # per row: first hop ready -> its solve started
+    first_audio_s: list[float]  # per row: first hop ready -> its first audio at the player
     waits: list[tuple[float, float, float, bool]]  # per hop: (ready, started, deadline at start, patient bound)
     underrun_rows: int
     underrun_s: float
@@ -72,7 +74,7 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
     order = 0
     solve = None  # (policy.Solve, [(row, chunk, hop)])
     mels: list = []  # (row, chunk, hop, ready_at)
-    solves, first_wait, waits = [], [], []
+    solves, first_wait, first_audio, waits = [], [], [], []
     audio_total = 0.0
     under_rows, under_s = 0, 0.0
 
@@ -94,6 +96,8 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
             while (c := r.planner.next_chunk(r.generated, done)) is not None:
                 order += 1
                 first = c.index == 0
+                if first:
+                    r.first_ready = now
                 r.hops.append((c, order, first, hop_tokens(r.prompt, c, c.end), now))
         ready = []
         for r in rows.values():
@@ -107,6 +111,22 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
                            [h for _, _, h in ready], p_mels, len(decoding),
                            min((r.deadline for r in decoding), default=policy.INF))
         finished = []
+
+        def take(jobs):  # hops leave their rows' queues as their solve starts
+            for r, c, h in jobs:
+                r.hops.pop(0)
+                waits.append((h.ready_at, now, h.deadline, policy.patient(h, lim, h.ready_at)))
+                if h.first:
+                    first_wait.append(now - h.ready_at)
+
+        if plan.beside:  # first hops solved whole before the active solve's steps, then decoded
+            jobs = [(r, c, h) for r, c, h in ready if r.rid in plan.beside]
+            tokens = sum(h.tokens for _, _, h in jobs)
+            solves.append(tokens)
+            take(jobs)
+            ms += lim.n_steps * costs.flow_step(tokens)
+            ms += costs.hift(sum(MEL_PER_TOKEN * (c.end - c.offset) for _, c, _ in jobs))
+            finished += [(r, c, h, now) for r, c, h in jobs]
         if plan.hift:
             batch = [m for m in mels if m[0].rid in plan.hift]
             mels = [m for m in mels if m[0].rid not in plan.hift]
@@ -125,11 +145,7 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
             jobs = [(r, c, h) for r, c, h in ready if r.rid in plan.start]
             tokens = sum(h.tokens for _, _, h in jobs)
             solves.append(tokens)
-            for r, c, h in jobs:
-                r.hops.pop(0)
-                waits.append((h.ready_at, now, h.deadline, policy.patient(h, lim, h.ready_at)))
-                if h.first:
-                    first_wait.append(now - h.ready_at)
+            take(jobs)
             ms += plan.start_steps * costs.flow_step(tokens)
             s = policy.Solve(tokens, lim.n_steps - plan.start_steps, min(h.deadline for _, _, h in jobs))
             if s.steps_left:
@@ -140,6 +156,7 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
         for r, c, h, _ in finished:  # audio reaches the player at the end of the iteration
             if r.first_audio is None:
                 r.first_audio = now
+                first_audio.append(now - r.first_ready)
             elif now > r.deadline:
                 r.underrun_s = max(r.underrun_s, now - r.deadline)
             sec = (c.end - c.offset) / TOKEN_HZ
@@ -152,4 +169,4 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
         admit()
     else:
         raise AssertionError("the simulated run did not finish")
-    return SimResult(solves, first_wait, waits, under_rows, under_s, now, audio_total)
+    return SimResult(solves, first_wait, first_audio, waits, under_rows, under_s, now, audio_total)

@@ -117,6 +117,11 @@ class FlowGraphs:
         self._sync()
         return e
 
+    def captured(self, key: Hashable) -> bool:
+        """Whether the bucket's step is captured already (its next solve captures nothing)."""
+        e = self.slots.get(key)
+        return e is not None and e.replay is not None
+
     def run_step(self, key: Hashable, e: _Entry) -> None:
         """One Euler step over ``e.buffers``: replayed, captured now, or eager."""
         st = self.stats

@@ -208,7 +208,7 @@ class FlowRunner:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, job: FlowJob) -> _HopPlan:
+    def _plan(self, job: FlowJob, grow: bool = True) -> _HopPlan:
         cfg, r = self.cfg, self.cfg.token_mel_ratio
         tokens = job.tokens.reshape(-1)
         if job.chunk is None:
@@ -229,12 +229,12 @@ class FlowRunner:
         p = _HopPlan(job, all_tokens, finalize, frames, n_prompt + r * offset, 0 if full else cfg.dit.static_chunk_size,
                      end)
         if job.chunk is not None and not full:
-            self._plan_cache(p, tokens[:end])
+            self._plan_cache(p, tokens[:end], grow)
         elif job.chunk is not None:
             self.cache.drop(job.segment_id)
         return p
 
-    def _plan_cache(self, p: _HopPlan, tokens: torch.Tensor) -> None:
+    def _plan_cache(self, p: _HopPlan, tokens: torch.Tensor, grow: bool = True) -> None:
         key = p.job.segment_id
         cpu = tokens.detach().cpu()
         st = self.cache.get(key)
@@ -248,7 +248,7 @@ class FlowRunner:
         )
         if not reuse:
             self.cache.drop(key)
-        st = self.cache.reserve(key, p.frames, cpu)
+        st = self.cache.reserve(key, p.frames, cpu, grow)
         if st is None:
             self.stats["uncached_hops"] += 1
             return  # over budget: recompute this hop from frame 0 like the official code
@@ -265,24 +265,38 @@ class FlowRunner:
     # ------------------------------------------------------------------ solve
 
     @torch.inference_mode()
-    def start(self, jobs: list[FlowJob]) -> "FlowSolve":
-        """Plan one packed call; step the returned solve ``n_steps`` times, then ``finish`` it."""
+    def start(self, jobs: list[FlowJob], beside: "FlowSolve | None" = None) -> "FlowSolve | None":
+        """Plan one packed call; step the returned solve ``n_steps`` times, then ``finish`` it.
+
+        ``beside``: a solve part-way through, which this one runs before it ends (a row's first
+        hop that should not wait for it, design.md D39); this one then leaves everything it holds
+        as it is: the prefix arena is not grown (a segment that does not fit recomputes its
+        prefix, as over budget), its buffers are its own (a bucket the other one uses, or one
+        not captured yet, runs eagerly: a capture could evict that one's graph). None (nothing
+        planned) when the arena does not exist yet: making it would move what the other holds."""
         if not jobs:
             raise ValueError("a flow solve needs at least one job")
         keys = [j.segment_id for j in jobs if j.chunk is not None]
         if len(set(keys)) != len(keys):
             raise ValueError("a segment may appear once per call")
-        plans = [self._plan(j) for j in jobs]
+        if beside is not None and self.cache.enabled and self.cache.k is None:
+            return None
+        version = self.cache.version
+        plans = [self._plan(j, grow=beside is None) for j in jobs]
         self._follow_arena()
         rows = [RowSpec(p.frames, p.q_start, p.conv_start, p.attn_chunk,
                         tuple(self.cache.get(p.key).regions) if p.key else None) for p in plans]
         real = pack(rows, self.conv_gap)
-        if self.graphs is None or not self.backend.bucketable:
-            lay, sizes, key = real, None, None
-        else:
+        lay, sizes, key = real, None, None
+        if self.graphs is not None and self.backend.bucketable:
             sizes = self._bucket(real, len(plans), self._both_launches(plans))
             key = flow_buckets.key(sizes)
-            lay = pack(rows, self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
+            if beside is not None and (key == beside.key or not self.graphs.captured(key)):
+                sizes, key = None, None
+            else:
+                lay = pack(rows, self.conv_gap, stride=sizes["stride"], conv_len=sizes["conv_len"], margin=sizes["margin"])
+        if beside is not None and self.cache.version != version:
+            raise RuntimeError("a flow solve beside another moved the prefix arena")
         self._count(plans, real, lay)
         fresh = self._inputs(plans, lay, sizes)
         if key is None:

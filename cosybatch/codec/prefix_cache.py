@@ -162,9 +162,9 @@ class PrefixCache:
         log.info("flow prefix cache: %d frames per slot (%.1f GiB)", want, self.allocated_bytes / (1 << 30))
         return True
 
-    def _alloc(self, n: int) -> int | None:
+    def _alloc(self, n: int, grow: bool = True) -> int | None:
         while (off := self._free.alloc(n)) is None:
-            if not self._grow(max(2 * self.frames, self.frames + n)):
+            if not grow or not self._grow(max(2 * self.frames, self.frames + n)):
                 return None
         return off
 
@@ -179,9 +179,12 @@ class PrefixCache:
     def _round(self, n: int) -> int:
         return -(-n // self.block) * self.block
 
-    def reserve(self, key, frames: int, tokens: torch.Tensor) -> PrefixEntry | None:
+    def reserve(self, key, frames: int, tokens: torch.Tensor, grow: bool = True) -> PrefixEntry | None:
         """Make ``key``'s regions hold ``frames`` frames (allocate, extend or move); None if the
-        arena cannot hold them (the entry is then dropped and the caller recomputes)."""
+        arena cannot hold them (the entry is then dropped and the caller recomputes). ``grow``
+        False: nor without moving the arena (a solve part-way through holds its address)."""
+        if self.k is None and not grow:
+            return None
         if not self.ensure_arena():
             return None
         st = self.rows.get(key)
@@ -193,7 +196,7 @@ class PrefixCache:
         if st is None:
             regions = []
             for _ in range(2):
-                r = self._alloc(want)
+                r = self._alloc(want, grow)
                 if r is None:
                     for off in regions:
                         self._free.release(off, want)
@@ -207,7 +210,7 @@ class PrefixCache:
             if self._free.extend(off, st.capacity, want):
                 new_regions.append(off)
                 continue
-            r = self._alloc(want)
+            r = self._alloc(want, grow)
             if r is None:  # undo this call's growth, then drop the entry
                 for old, new in zip(st.regions, new_regions):
                     if new == old:  # grown in place: give back the extension

@@ -88,8 +88,10 @@ class CodecWork:
     _retry_hift: deque = field(default_factory=deque)
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
     _warned: set = field(default_factory=set)
-    # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames
-    counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames"), 0))
+    # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames; first hops
+    # solved apart (``first_hop_beside``): first_solves, first_jobs
+    counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames",
+                                                                "first_solves", "first_jobs"), 0))
     # HiFT's calls on a stream of their own (``scheduler.hift_stream=beside``, design.md D36), or
     # None: on the current one, after the solves that made their mels
     hift_stream: Any = None
@@ -144,6 +146,9 @@ class CodecWork:
         p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2],
                              m.ready_at) for m in self.mels]
         plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels, ar_rows, ar_deadline)
+        if plan.beside and self._solve_beside(plan.beside, ready, now):  # before anything else
+            did = True
+            between()
         if plan.hift:
             self._run_hift(set(plan.hift))
             did = True
@@ -180,8 +185,37 @@ class CodecWork:
         if steps:
             self._steps(steps, now)
 
-    def _steps(self, n: int, now: float) -> None:
-        a = self.active
+    def _solve_beside(self, segments: tuple, ready: list[QueuedHop], now: float) -> bool:
+        """Solve these first hops whole now, apart, before the active solve's next steps if
+        there is one (design.md D39), and decode their mels at once: someone waits for each.
+        False if the flow cannot start them beside that solve now (they wait as before)."""
+        by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
+        hops = [by_seg[s] for s in segments if s in by_seg]
+        if not hops:
+            return False
+        t = self.acct.start("flow_start")
+        try:
+            solve = self.flow.start([h.job for h in hops], beside=self.active.solve if self.active else None)
+        except Exception as e:
+            self.acct.end(t)
+            self._split_or_fail(hops, e, "flow")
+            return True
+        self.acct.end(t, size=len(hops) if solve is not None else None)
+        if solve is None:
+            return False
+        self.counts["first_solves"] += 1
+        self.counts["first_jobs"] += len(hops)
+        before = len(self.mels)
+        self._steps(solve.steps_left, now, _Active(solve, hops, solve.buffers.stride * 2))
+        done = {id(m) for m in self.mels[before:]}
+        self._hift_batch([m for m in self.mels if id(m) in done])
+        self.mels = [m for m in self.mels if id(m) not in done]
+        return True
+
+    def _steps(self, n: int, now: float, a: _Active | None = None) -> None:
+        """``n`` Euler steps of the active solve (or of ``a``, a solve beside it), and its end."""
+        a = a or self.active
+        main = a is self.active
         tokens = a.tokens
         t = self.acct.start("flow_step", lambda ms: self.costs.observe_flow_step(tokens, ms / n))
         captures = self._captures()
@@ -195,11 +229,13 @@ class CodecWork:
             self.acct.end(t)
         except Exception as e:
             self.acct.end(t)
-            self.active = None
-            self._release_dead()
+            if main:
+                self.active = None
+                self._release_dead()
             self._split_or_fail(a.hops, e, "flow")
             return
-        self.active = None
+        if main:
+            self.active = None
         done = None
         if self.hift_stream is not None:  # what HiFT's stream waits for before it reads these mels
             done = torch.cuda.Event()
@@ -210,7 +246,8 @@ class CodecWork:
                 q.popleft()
             if h.job.segment_id not in self._dead:
                 self.mels.append(_Mel(h, mel, now, done))
-        self._release_dead()
+        if main:
+            self._release_dead()
 
     def _captures(self) -> int:
         """Graphs captured so far by the flow and HiFT: a slice that captured one is counted
