@@ -17,6 +17,8 @@
 #        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
+#        firsthop (the GPU tests of codec.first_hop_beside, design.md D39: then
+#        `c32 c32set=codec.first_hop_beside=true`, alternated, three each),
 #        pyc (does every import compile source on this host? import time with a pycache prefix),
 #        cachetests (the GPU test of D37's premise), record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
@@ -246,6 +248,10 @@ for step in "$@"; do
     startup16base=*) setup; d=${step#startup16base=}
       [ -d "$d/cosybatch" ] || { log "startup16base: $d/cosybatch not found"; continue; }
       head -n 16 $WL/meta.lst > $WL/m16.lst; ( cd "$d" && synth_run "startup16-${d//[^A-Za-z0-9_.-]/_}" $WL/m16.lst ) ;;
+    firsthop) log "pytest -m gpu: first hops solved apart, beside a graphed solve (design.md D39; carry .fixtures)"
+      timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py tests/test_pipeline_gpu.py \
+        -k "beside_a_graphed or first_hop or apart" > "$OUT/firsthop_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/firsthop_tests.txt"
+      grep -E "rel RMS|passed|failed|Error" "$OUT/firsthop_tests.txt" | tail -12 | tee -a "$OUT/summary.txt" ;;
     pyc) log "bytecode: does an import compile source every time (no writable __pycache__)? import time with and without a pycache prefix"
       python3 - <<'PY' 2>&1 | tee "$OUT/pyc.txt"
 import importlib.util, os, sys
