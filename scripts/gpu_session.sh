@@ -17,8 +17,8 @@
 #        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
-#        firsthop (the GPU tests of codec.first_hop_beside, design.md D39: then
-#        `c32 c32set=codec.first_hop_beside=true`, alternated, three each),
+#        firsthop (the GPU tests of codec.first_hops_apart, design.md D39: then
+#        `c32 c32set=codec.first_hops_apart=true`, alternated, three each),
 #        pyc (does every import compile source on this host? import time with a pycache prefix),
 #        cachetests (the GPU test of D37's premise), record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),

@@ -465,7 +465,7 @@ def _beside_case(runner, rows, fill: bool = False):
 
 
 @pytest.mark.parametrize("bucketed", [None, "new", "captured"])
-def test_a_solve_beside_another_gives_both_their_own_mels(flow, reference_dir, bucketed):
+def test_a_solve_apart_another_gives_both_their_own_mels(flow, reference_dir, bucketed):
     """``FlowRunner.start(beside=...)``: a solve queued while another is part-way through leaves
     that one as it was (its buffers, the arena's address): both give the mels each gives in
     turn, to the bounds the packings allow. Through graph buckets, the beside solve replays only
@@ -490,7 +490,7 @@ def test_a_solve_beside_another_gives_both_their_own_mels(flow, reference_dir, b
     if bucketed == "captured":
         assert beside.entry is not None and beside.entry.replay is not None  # replayed
 
-def test_a_solve_beside_another_does_not_move_the_arena(flow, reference_dir):
+def test_a_solve_apart_another_does_not_move_the_arena(flow, reference_dir):
     """A beside solve whose first hop does not fit the arena recomputes it instead of growing it
     (the other solve holds its address); with no arena yet, none is made and nothing is planned."""
     rows = _long_rows(reference_dir, [300, 217, 160], seed=10)

@@ -412,7 +412,7 @@ def test_fused_layers_keep_the_flow(setup):
 
 
 @pytest.mark.parametrize("captured", [False, True])
-def test_a_solve_beside_a_graphed_one_leaves_it_as_it_was(setup, captured):
+def test_a_solve_apart_a_graphed_one_leaves_it_as_it_was(setup, captured):
     """``FlowRunner.start(beside=...)`` (design.md D39) with real CUDA graphs: rows 0 and 1's
     second hops replayed part-way, row 2's first hop solved beside them (eagerly on a bucket not
     captured yet; ``captured``: replaying its own bucket, captured by a row of that shape before),

@@ -99,12 +99,12 @@ def test_fp32_pipeline_on_cuda_matches_official(parts, fixtures_dir, reference_d
     calls and graph replays on a stream of their own, each after its mels' solves, the mels'
     memory kept until HiFT has read it. A missing order (a launch reading inputs not yet copied,
     HiFT reading a mel not yet written or already reused, a result read before its copy landed)
-    would change prompts, tokens or waves. ``codec.first_hop_beside`` (D39): rows' first hops
+    would change prompts, tokens or waves. ``codec.first_hops_apart`` (D39): rows' first hops
     solved apart, before the steps of a solve in progress, through its graph buckets."""
     stream = mode == "streaming"
     if beside == "first_hop" and not stream:
         pytest.skip("first hops are solved apart in streaming only")
-    extra = (["codec.first_hop_beside=true", "codec.deadline_lead_ms=500"] if beside == "first_hop"
+    extra = (["codec.first_hops_apart=true", "codec.deadline_lead_ms=500"] if beside == "first_hop"
              else [f"scheduler.{beside}=beside"] if beside else [])
     pipe = _pipeline(parts, FP32 + SMALL + [f"mode={mode}", "optimizations.hift_graphs=true",
                                              "optimizations.hift_graph_capture_after=1"] + extra)
@@ -154,15 +154,16 @@ def test_bf16_row_alone_equals_the_row_packed_with_others(parts, fixtures_dir, m
         assert snr >= PACKED_MIN_SNR_DB, (mode, u, snr)
 
 
-@pytest.mark.parametrize("mode,apart", [("full", False), ("streaming", False), ("streaming", True)])
+@pytest.mark.parametrize("mode,apart", [("full", False), ("streaming", False), ("streaming", True)],
+                         ids=["full", "streaming", "streaming-apart"])
 def test_bf16_flow_mels_within_bound_of_official(parts, fixtures_dir, reference_dir, mode, apart):
     """Mels, not waveforms: the sine source's phase is a running sum of F0 over the utterance, so
     any mel change (bf16 rounding included) turns into phase drift (f0 x (1 + 1e-4) alone gives
     ~6 dB). The mels the codec hands HiFT are the quantity bf16 changes. ``apart``: rows' first
-    hops solved apart (``codec.first_hop_beside``, D39), beside the graphed steps of a solve in
+    hops solved apart (``codec.first_hops_apart``, D39), beside the graphed steps of a solve in
     progress, which must keep their own buffers and the arena's address."""
     stream = mode == "streaming"
-    extra = ["codec.first_hop_beside=true", "codec.deadline_lead_ms=500"] if apart else []
+    extra = ["codec.first_hops_apart=true", "codec.deadline_lead_ms=500"] if apart else []
     pipe = _pipeline(parts, ["ar.dtype=float32"] + SMALL + [f"mode={mode}"] + extra)
     mels, run = {}, pipe.codec.hift.run
 

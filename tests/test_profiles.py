@@ -364,8 +364,8 @@ def test_slice_settings_reach_the_timeline_limits():
     on = resolve(load_profile("packed_streaming", ["codec.deadline_lead_ms=600", "codec.deadline_tokens=6000",
                                                    "scheduler.ar_stream=beside"]), cfg, cpu)
     assert (on.slices.deadline_lead_s, on.slices.deadline_tokens, on.ar_stream) == (0.6, 6000, "beside")
-    assert not on.slices.first_beside
-    assert resolve(load_profile("packed_streaming", ["codec.first_hop_beside=true"]), cfg, cpu).slices.first_beside
+    assert not on.slices.first_apart
+    assert resolve(load_profile("packed_streaming", ["codec.first_hops_apart=true"]), cfg, cpu).slices.first_apart
     assert err("packed_streaming", ["codec.deadline_lead_ms=200"]).endswith("must be > 250 (the imminent-deadline margin), got 200.0")
     assert "one of 'serial', 'beside'" in err("packed_streaming", ["scheduler.ar_stream=parallel"])
     # the GPU frontend's launches: serial unless asked (design.md D34)

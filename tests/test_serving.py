@@ -15,7 +15,7 @@ BESIDE = ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"]
 # five rows for three AR rows: a backlog, so freed rows are held for a batched prefill (design.md D29)
 PREFILL_BATCHING = ["ar.prefill_min_rows=2", "ar.prefill_wait_ms=20"]
 # rows' first hops solved apart, beside a solve in progress (design.md D39)
-FIRST_APART = BESIDE + ["codec.first_hop_beside=true"]
+FIRST_APART = BESIDE + ["codec.first_hops_apart=true"]
 
 
 # The last cases: deadline batching and the AR step beside the codec (design.md D22) are

@@ -460,22 +460,22 @@ def test_hift_beside_waits_for_its_mels_solves_and_keeps_their_memory(monkeypatc
 def test_first_hops_are_solved_apart_before_a_long_solve_in_progress_when_asked():
     costs = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=1.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
     apart = Limits(streaming=True, budget_ms=4.0, max_jobs=64, max_hift=64, deadline_lead_s=0.5, deadline_tokens=8000,
-                   first_beside=True)
+                   first_apart=True)
     running = Solve(tokens=8000, steps_left=8, deadline=5.0)  # 9 ms a step, 72 ms to go
     first, later = hop("f", 2, first=True, tokens=600, ready_at=1.0), hop("l", 1, deadline=4.0, tokens=600)
     p = plan(1.0, apart, costs, True, running, [later, first], [])
-    assert p.beside == ("f",) and p.flow_steps >= 1  # the running solve still advances
-    assert plan(1.0, DEADLINE, costs, True, running, [later, first], []).beside == ()  # off: it waits
-    assert plan(1.0, apart, costs, True, running, [later], []).beside == ()  # only first hops
+    assert p.apart == ("f",) and p.flow_steps >= 1  # the running solve still advances
+    assert plan(1.0, DEADLINE, costs, True, running, [later, first], []).apart == ()  # off: it waits
+    assert plan(1.0, apart, costs, True, running, [later], []).apart == ()  # only first hops
     # a player of the running solve about to run dry: that solve finishes first
     dry = plan(1.0, apart, costs, True, Solve(8000, 8, deadline=1.1), [first], [])
-    assert dry.beside == () and dry.flow_steps == 8
+    assert dry.apart == () and dry.flow_steps == 8
     # no solve in progress: first hops are solved apart and the rest starts as before
     idle = plan(1.0, apart, costs, True, None, [first, later], [])
-    assert idle.beside == ("f",) and "f" not in idle.start
+    assert idle.apart == ("f",) and "f" not in idle.start
     # whole responses: every row's one chunk is its first; nothing is set apart
-    full = Limits(streaming=False, budget_ms=20.0, max_jobs=64, max_hift=64, first_beside=True)
-    assert plan(1.0, full, costs, True, running, [first], []).beside == ()
+    full = Limits(streaming=False, budget_ms=20.0, max_jobs=64, max_hift=64, first_apart=True)
+    assert plan(1.0, full, costs, True, running, [first], []).apart == ()
 
 
 def test_first_hops_apart_bring_first_audio_sooner_in_a_simulated_run():
@@ -493,7 +493,7 @@ def test_first_hops_apart_bring_first_audio_sooner_in_a_simulated_run():
     costs = Costs(flow_step_ms_per_token=2e-3, flow_step_ms=1.0, hift_ms_per_frame=5e-3, hift_ms=1.0)
     base = dict(streaming=True, budget_ms=4.0, max_jobs=32, max_hift=32, ar_capacity=32, deadline_lead_s=0.5,
                 deadline_tokens=8192)
-    runs = {on: simulate(Limits(**base, first_beside=on), costs, lengths, concurrency=32, ar_ms=1.9)
+    runs = {on: simulate(Limits(**base, first_apart=on), costs, lengths, concurrency=32, ar_ms=1.9)
             for on in (False, True)}
     before, after = (statistics.median(runs[on].first_audio_s) for on in (False, True))
     assert after < 0.5 * before, (before, after)

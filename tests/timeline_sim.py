@@ -119,8 +119,8 @@ def simulate(lim: policy.Limits, costs: policy.Costs, lengths: list[int], concur
                 if h.first:
                     first_wait.append(now - h.ready_at)
 
-        if plan.beside:  # first hops solved whole before the active solve's steps, then decoded
-            jobs = [(r, c, h) for r, c, h in ready if r.rid in plan.beside]
+        if plan.apart:  # first hops solved whole before the active solve's steps, then decoded
+            jobs = [(r, c, h) for r, c, h in ready if r.rid in plan.apart]
             tokens = sum(h.tokens for _, _, h in jobs)
             solves.append(tokens)
             take(jobs)

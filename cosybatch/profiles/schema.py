@@ -97,10 +97,10 @@ class CodecProfile:
     # runs) unless a decoding row's player is within this lead of running dry.
     deadline_lead_ms: float | None = None
     deadline_tokens: int = 8192
-    # Streaming (design.md D39): a row's first hop that would wait longer than first_wait_ms for
-    # the flow solve in progress is solved beside it (a small solve of first hops queued before
-    # that solve's next steps), for time to first PCM; off: it waits and joins the next solve.
-    first_hop_beside: bool = False
+    # Streaming (design.md D39): rows' first hops solved at once, whole, in a small solve of their
+    # own queued before the steps of the solve in progress, for time to first PCM; off: a first
+    # hop waits for that solve to end and joins the next (with deadline batching a large one).
+    first_hops_apart: bool = False
     # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with
     # the onnxruntime frontend also run its models (the GPU frontend's run on the pipeline's thread).
     frontend_workers: int = 4

@@ -89,7 +89,7 @@ class CodecWork:
     _dead: set = field(default_factory=set)  # segments of failed rows still inside the active solve
     _warned: set = field(default_factory=set)
     # batch sizes, for the timeline summary: hift_batches, hift_jobs, hift_frames; first hops
-    # solved apart (``first_hop_beside``): first_solves, first_jobs
+    # solved apart (``first_hops_apart``): first_solves, first_jobs
     counts: dict = field(default_factory=lambda: dict.fromkeys(("hift_batches", "hift_jobs", "hift_frames",
                                                                 "first_solves", "first_jobs"), 0))
     # HiFT's calls on a stream of their own (``scheduler.hift_stream=beside``, design.md D36), or
@@ -146,7 +146,7 @@ class CodecWork:
         p_mels = [policy.Mel(m.hop.job.segment_id, m.hop.order, m.hop.first, deadline(m.hop.row_id), m.mel.shape[2],
                              m.ready_at) for m in self.mels]
         plan = policy.plan(now, self.limits, self.costs.costs(), ar_active, solve, p_hops, p_mels, ar_rows, ar_deadline)
-        if plan.beside and self._solve_beside(plan.beside, ready, now):  # before anything else
+        if plan.apart and self._solve_apart(plan.apart, ready, now):  # before anything else
             did = True
             between()
         if plan.hift:
@@ -185,7 +185,7 @@ class CodecWork:
         if steps:
             self._steps(steps, now)
 
-    def _solve_beside(self, segments: tuple, ready: list[QueuedHop], now: float) -> bool:
+    def _solve_apart(self, segments: tuple, ready: list[QueuedHop], now: float) -> bool:
         """Solve these first hops whole now, apart, before the active solve's next steps if
         there is one (design.md D39), and decode their mels at once: someone waits for each.
         False if the flow cannot start them beside that solve now (they wait as before)."""

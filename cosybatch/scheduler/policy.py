@@ -10,8 +10,8 @@ what the budget buys:
   it already has runs out at real time, so players never underrun; such work may overrun the
   budget;
 - **then first hops**: a row with no audio yet waits for its first chunk (time to first PCM);
-  with ``first_beside`` they are solved at once, apart, before the steps of a solve in
-  progress (``first_hops_beside``, design.md D39);
+  with ``first_apart`` they are solved at once, apart, before the steps of a solve in
+  progress (``first_hops_apart``, design.md D39);
 - **then** earliest playback deadline.
 
 Full responses have no players and every row's one chunk is its first, so there the policy
@@ -109,9 +109,9 @@ class Limits:
     # with deadline batching on: the solve size worth waiting for (and 1.5x it the most a solve
     # takes while the AR engine runs), instead of solve_tokens or the learned target
     deadline_tokens: float = 8192.0
-    # streaming: a row's first hop that would wait longer than first_wait_s for the solve in
-    # progress to end is solved beside it, in a solve of first hops queued before its next steps
-    first_beside: bool = False
+    # streaming: rows' first hops solved at once, whole, in a solve of their own queued before
+    # the steps of the solve in progress (design.md D39), instead of joining the next solve
+    first_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class SlicePlan:
     flow_steps: int = 0  # Euler steps of the active solve to queue
     start: tuple[str, ...] = ()  # segments whose hops start a new solve (after the active one finishes)
     start_steps: int = 0  # Euler steps of the new solve to queue right away
-    beside: tuple[str, ...] = ()  # first hops solved whole now, apart, before everything else
+    apart: tuple[str, ...] = ()  # first hops solved whole now, apart, before everything else
 
 
 def iteration_budget(lim: Limits, ar_rows: int) -> float:
@@ -248,12 +248,12 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
     return any(must_start(h, lim, now) for h in hops)
 
 
-def first_hops_beside(now: float, lim: Limits, costs: Costs, solve: Solve | None, hops: list[ReadyHop]) -> list[ReadyHop]:
-    """First hops to solve now, whole and apart (``first_beside``, design.md D39): a listener
+def first_hops_apart(now: float, lim: Limits, costs: Costs, solve: Solve | None, hops: list[ReadyHop]) -> list[ReadyHop]:
+    """First hops to solve now, whole and apart (``first_apart``, design.md D39): a listener
     waits for each, and in the usual order it would wait for the solve in progress to end and
     then for its own, which deadline batching makes large and spreads over many iterations. Not
     while a player of the solve in progress is about to run dry (that solve finishes first)."""
-    if not (lim.streaming and lim.first_beside) or (solve is not None and solve.deadline - now <= lim.urgent_s):
+    if not (lim.streaming and lim.first_apart) or (solve is not None and solve.deadline - now <= lim.urgent_s):
         return []
     firsts = [h for h in hops if h.first]
     return pick_jobs(firsts, lim, costs, True, now, large=False) if firsts else []
@@ -281,12 +281,12 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
             hift = tuple(m.segment_id for m in queue)
             spent += costs.hift(sum(m.frames for m in queue))
     # first hops solved whole and apart, queued first; what is left of the budget goes on
-    beside = first_hops_beside(now, lim, costs, solve, hops)
-    if beside:
-        spent += costs.flow_step(sum(h.tokens for h in beside)) * lim.n_steps
-        taken = {h.segment_id for h in beside}
+    firsts = first_hops_apart(now, lim, costs, solve, hops)
+    if firsts:
+        spent += costs.flow_step(sum(h.tokens for h in firsts)) * lim.n_steps
+        taken = {h.segment_id for h in firsts}
         hops = [h for h in hops if h.segment_id not in taken]
-    apart = tuple(h.segment_id for h in beside)
+    apart = tuple(h.segment_id for h in firsts)
     steps = 0
     if solve is not None:
         step = costs.flow_step(solve.tokens)
@@ -296,7 +296,7 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
         steps = max(1, _fit(room, step, solve.steps_left))
         spent += step * steps
         if steps < solve.steps_left:
-            return SlicePlan(hift, steps, beside=apart)
+            return SlicePlan(hift, steps, apart=apart)
     start, start_steps = (), 0
     large = large_solves(now, lim, ar_deadline)
     if worth_starting(now, lim, costs, ar_active, hops, large):

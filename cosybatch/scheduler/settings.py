@@ -25,7 +25,7 @@ class SliceSettings:
     max_wait_s: float  # any hop, at most this long
     deadline_lead_s: float | None = None  # streaming deadline batching (design.md D22); None: off
     deadline_tokens: int = 8192  # the solve size deadline batching waits for
-    first_beside: bool = False  # streaming: first hops solved beside a long solve in progress (design.md D39)
+    first_apart: bool = False  # streaming: first hops solved at once, apart (design.md D39)
 
 
 @dataclass(frozen=True)
