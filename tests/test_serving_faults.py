@@ -34,20 +34,28 @@ def _fail_once(obj, name, exc, min_jobs=0):
     return state
 
 
-@pytest.mark.parametrize("mode,stage", [("full", "hift"), ("streaming", "flow")])
-def test_failed_packed_codec_call_is_retried_exactly(parts, fixtures_dir, mode, stage):
+@pytest.mark.parametrize("mode,stage,apart", [("full", "hift", False), ("streaming", "flow", False),
+                                               ("streaming", "flow", True)])
+def test_failed_packed_codec_call_is_retried_exactly(parts, fixtures_dir, mode, stage, apart):
     """An out-of-memory packed HiFT call or flow solve is retried on halves: every row still
-    completes, with the same audio."""
+    completes, with the same audio. ``apart``: the failing solve is one of first hops solved
+    apart (``codec.first_hops_apart``, design.md D39)."""
     rows = fixture_rows(fixtures_dir)[:4]
     reqs = [(r.utt_id, r, mode == "streaming") for r in rows]
+    extra = ["codec.first_hops_apart=true"] if apart else []
     # Rows admitted together with equal forced lengths reach the codec together: packed calls.
     clean, _ = drain(_pipe(parts, f"mode={mode}"), reqs, force_tokens=40, together=True)
-    pipe = _pipe(parts, f"mode={mode}")
+    pipe = _pipe(parts, f"mode={mode}", *extra)
     target = pipe.codec.hift if stage == "hift" else pipe.codec.flow
     name = "run" if stage == "hift" else "start"
     state = _fail_once(target, name, torch.OutOfMemoryError("CUDA out of memory (injected)"), min_jobs=2)
+    calls = []  # (jobs, whether a solve apart asked), of every call, the failing one included
+    real = getattr(target, name)
+    setattr(target, name, lambda *a, **k: calls.append((len(a[0]), "beside" in k)) or real(*a, **k))
     got, ends = drain(pipe, reqs, force_tokens=40, together=True)
     assert not state["armed"], "the fault was never injected into a packed call"
+    packed = [c for c in calls if c[0] >= 2]
+    assert packed and packed[0][1] == apart, calls  # the call that failed
     assert all(e.kind == "done" for e in ends.values())
     assert pipe.codec.limits.max_jobs < 4 or stage == "hift"  # out of memory shrinks later solves
     # Every chunk keeps its length (no mel is fed twice, none lost). Values may differ at float

@@ -161,13 +161,17 @@ class CodecWork:
             self._start(self._retry_flow.popleft(), 1, now)
             did = True
         elif plan.start and self.active is None:
-            # still at the head of its queue: ``between`` may have dropped a failed row's hops
-            by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
-            hops = [by_seg[s] for s in plan.start if s in by_seg]
+            hops = self._heads(ready, plan.start)
             if hops:
                 self._start(hops, plan.start_steps, now)
                 did = True
         return did
+
+    def _heads(self, ready: list[QueuedHop], segments: tuple) -> list[QueuedHop]:
+        """The ready hops of these segments still at the head of their queues (``between`` may
+        have dropped a failed row's hops, and a solve apart taken others), in the plan's order."""
+        by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
+        return [by_seg[s] for s in segments if s in by_seg]
 
     def _in_active(self, hop: QueuedHop) -> bool:
         return self.active is not None and any(h is hop for h in self.active.hops)
@@ -189,8 +193,7 @@ class CodecWork:
         """Solve these first hops whole now, apart, before the active solve's next steps if
         there is one (design.md D39), and decode their mels at once: someone waits for each.
         False if the flow cannot start them beside that solve now (they wait as before)."""
-        by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
-        hops = [by_seg[s] for s in segments if s in by_seg]
+        hops = self._heads(ready, segments)
         if not hops:
             return False
         t = self.acct.start("flow_start")
@@ -207,9 +210,10 @@ class CodecWork:
         self.counts["first_jobs"] += len(hops)
         before = len(self.mels)
         self._steps(solve.steps_left, now, _Active(solve, hops, solve.buffers.stride * 2))
-        done = {id(m) for m in self.mels[before:]}
-        self._hift_batch([m for m in self.mels if id(m) in done])
-        self.mels = [m for m in self.mels if id(m) not in done]
+        done = {id(m) for m in self.mels[before:]}  # none if the solve failed (its halves are retried)
+        if done:
+            self._hift_batch([m for m in self.mels if id(m) in done])
+            self.mels = [m for m in self.mels if id(m) not in done]
         return True
 
     def _steps(self, n: int, now: float, a: _Active | None = None) -> None:
