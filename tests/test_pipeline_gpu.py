@@ -230,8 +230,9 @@ def test_ar_step_beside_the_codec_gives_the_serial_tokens(parts, fixtures_dir, m
 def test_flow_buckets_captured_at_start_up_leave_none_for_the_rows(parts, fixtures_dir, mode, deferred):
     """``optimizations.flow_graph_precapture`` (design.md D27): every bucket of solves up to the
     bound is captured before the first row, so the rows' solves only replay (none captured inside
-    the window), and the rows still produce audio. ``deferred``: the constructor leaves them to
-    ``precapture_flow_graphs`` (what ``synth`` calls once it knows the run is large)."""
+    the window), and the rows still produce audio; a solve while the AR engine is idle stays
+    inside the band. ``deferred``: the constructor leaves them to ``precapture_flow_graphs``
+    (what ``synth`` calls once it knows the run is large)."""
     stream = mode == "streaming"
     rows = fixture_rows(fixtures_dir)
     extra = [f"mode={mode}", "ar.max_num_seqs=4", "codec.max_num_seqs=4", "optimizations.flow_graph_precapture=4096",
@@ -243,6 +244,7 @@ def test_flow_buckets_captured_at_start_up_leave_none_for_the_rows(parts, fixtur
         assert flow.graphs is None or flow.graphs.stats.precaptures == 0
         pipe.precapture_flow_graphs()
         assert ("flow graphs" in pipe.startup.phases) == (DEV.type == "cuda")
+    assert pipe.codec.limits.max_solve_tokens == (2 * 4096 if DEV.type == "cuda" else float("inf"))
     chunks, _ = _run(pipe, rows, stream, len(rows))
     tl = pipe.timeline()
     pipe.close()

@@ -500,3 +500,21 @@ def test_first_hops_apart_bring_first_audio_sooner_in_a_simulated_run():
     assert math.isclose(runs[True].audio_s, runs[False].audio_s)
     assert runs[True].underrun_rows <= runs[False].underrun_rows
     assert runs[True].wall_s < 1.05 * runs[False].wall_s
+
+
+def test_with_the_ar_engine_idle_a_solve_stays_within_the_graphs_captured_at_start_up():
+    """A whole run's last solves (the AR engine idle: nothing limits them by the AR cadence)
+    took every ready hop, 32,768-38,976 tokens per branch in a 1,088-row ``synth``, beyond the
+    buckets captured before the run: each was captured inside the window or run eagerly. With
+    ``max_solve_tokens`` (the captured band's top) they split into solves inside it."""
+    ready = [hop(f"h{i}", i, tokens=1200) for i in range(64)]
+    costs = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=1.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
+    unbounded = Limits(streaming=False, budget_ms=20.0, max_jobs=64, max_hift=64, solve_tokens=8192)
+    assert len(plan(1.0, unbounded, costs, False, None, ready, []).start) == 64
+    bounded = Limits(streaming=False, budget_ms=20.0, max_jobs=64, max_hift=64, solve_tokens=8192,
+                     max_solve_tokens=16384)
+    first = plan(1.0, bounded, costs, False, None, ready, [])
+    assert len(first.start) == 13 and first.start_steps == bounded.n_steps  # 13 x 1,200 <= 16,384
+    # with the AR engine busy the usual 1.5 x target applies, whatever the bound
+    assert len(plan(1.0, bounded, costs, True, None, ready, []).start) == 10  # 10 x 1,200 <= 12,288
+    assert len(pick_jobs([hop("big", 0, tokens=40000)], bounded, costs, False)) == 1  # always one hop

@@ -274,6 +274,9 @@ class FastPipeline:
             log.info("flow graphs: no start-up capture with the %s attention (its buckets follow each solve's "
                      "rows, an unbounded set); each bucket is captured at first sight", flow.backend.name)
             return
+        # a solve while the AR engine is idle (a run's last ones) stays inside the band: a larger
+        # one would be captured inside the window or run eagerly (both CFG branches count)
+        self.codec.limits = replace(self.codec.limits, max_solve_tokens=2 * max_stride)
         keys = flow.bucket_keys(self.streaming, max_stride, min_stride)
         if len(keys) > flow.graphs.capacity:
             log.warning("flow graphs: %d buckets up to %d tokens exceed the cache's %d; the first %d are "

@@ -109,6 +109,10 @@ class Limits:
     # with deadline batching on: the solve size worth waiting for (and 1.5x it the most a solve
     # takes while the AR engine runs), instead of solve_tokens or the learned target
     deadline_tokens: float = 8192.0
+    # the largest solve while the AR engine is idle (a run's last solves; INF: every ready hop):
+    # the top of the band of flow graphs captured before the run (design.md D27), since a larger
+    # solve is captured inside the window or runs eagerly
+    max_solve_tokens: float = INF
     # streaming: rows' first hops solved at once, whole, in a solve of their own queued before
     # the steps of the solve in progress (design.md D39), instead of joining the next solve
     first_apart: bool = False
@@ -187,12 +191,13 @@ def pick_jobs(hops: list[ReadyHop], lim: Limits, costs: Costs, ar_active: bool, 
               large: bool = True) -> list[ReadyHop]:
     """The hops of the next solve: at most one per segment (a segment's hops depend on each
     other), in priority order, at most ``max_jobs``, and with the AR engine busy at most 1.5x
-    the target solve size, so one Euler step stays near the budget (always at least one hop)."""
+    the target solve size, so one Euler step stays near the budget, with it idle at most
+    ``max_solve_tokens`` (always at least one hop)."""
     seen, out, tokens = set(), [], 0
     # With deadline batching the target is already large: a solve beyond it would make each
     # Euler step, which runs between two AR steps whatever the budget, slow the rows' tokens.
     big = large and _deadline_batching(lim)
-    cap = (1.0 if big else 1.5) * _target(lim, costs, large) if ar_active else INF
+    cap = (1.0 if big else 1.5) * _target(lim, costs, large) if ar_active else lim.max_solve_tokens
     for h in sorted(hops, key=_key(lim, now)):
         if h.segment_id in seen:
             continue
