@@ -88,13 +88,13 @@ def reference(full_dir, prompts):
     return out
 
 
-def _frontend(full_dir, dtype, warmup, split_tf32=False, process_tf32=False, row_bucket=1):
+def _frontend(full_dir, dtype, warmup, split_tf32=False, process_tf32=False, row_bucket=1, graph_rows=4):
     """``process_tf32``: the process's TF32 switches on (as the shipped profiles set cuDNN's for
     HiFT) -- the frontend must keep its own precision regardless."""
     torch.backends.cuda.matmul.allow_tf32 = process_tf32
     torch.backends.cudnn.allow_tf32 = process_tf32
     return Frontend(full_dir, ModelConfig(), backend="torch", device=DEVICE, dtype=dtype, cache_size=0, warmup=warmup,
-                    split_tf32=split_tf32, row_bucket=row_bucket)
+                    split_tf32=split_tf32, row_bucket=row_bucket, graph_rows=graph_rows)
 
 
 @pytest.fixture
@@ -163,6 +163,23 @@ def test_row_bucketed_launches_match_onnxruntime(full_dir, prompts, reference, p
     rate, worst, flips = _compare(fe, prompts, reference, "3xTF32, rows padded to 16")
     assert rate >= FP32_AGREEMENT, flips[:20]
     assert worst <= FP32_EMBED_TOL
+
+
+def test_large_launches_from_graphs_match_onnxruntime(full_dir, prompts, reference, process_tf32):
+    """``frontend.graph_rows=64``: launches of up to 64 prompts (a bulk run's) replay a graph of
+    their shape, captured when first met, with the batched path's bounds against onnxruntime;
+    the same launch again is a replay."""
+    fe = _frontend(full_dir, torch.float32, warmup=False, split_tf32=True, process_tf32=True, row_bucket=16,
+                   graph_rows=64)
+    rate, worst, flips = _compare(fe, prompts, reference, "3xTF32, launches of up to 64 prompts from graphs")
+    assert rate >= FP32_AGREEMENT, flips[:20]
+    assert worst <= FP32_EMBED_TOL
+    if DEVICE == "cuda":
+        st = fe._impl.graphs.stats
+        captures = st.captures
+        assert captures >= 1, st.as_dict()
+        again = _compare(fe, prompts, reference, "the same launches replayed")
+        assert again[:2] == (rate, worst) and st.captures == captures and st.hits >= 1, st.as_dict()
 
 
 def test_3xtf32_matches_onnxruntime(full_dir, prompts, reference, process_tf32):

@@ -428,6 +428,10 @@ def test_frontend_device_and_precision():
     assert resolve(load_profile("default", ["frontend.prime=true"]), cfg, cpu).frontend.prime is True
     assert resolve(load_profile("default", ["frontend.batch_bucket_s=2"]), cfg, cpu).frontend.batch_bucket_s == 2.0
     assert err("default", ["frontend.batch_bucket_s=0"]).endswith("frontend.batch_bucket_s: must be > 0, got 0.0")
+    # launches of up to 4 prompts replay graphs unless told otherwise
+    assert f.graph_rows == 4
+    assert resolve(load_profile("default", ["frontend.graph_rows=64"]), cfg, cpu).frontend.graph_rows == 64
+    assert err("default", ["frontend.graph_rows=-1"]).endswith("frontend.graph_rows: must be >= 0, got -1")
     # prompt audio in the workers' threads unless helper processes are asked for
     assert f.audio_processes is False
     assert resolve(load_profile("default", ["frontend.audio=process"]), cfg, cpu).frontend.audio_processes is True

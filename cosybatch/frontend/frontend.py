@@ -133,6 +133,7 @@ class Frontend:
         warmup: bool = True,
         split_tf32: bool = False,
         row_bucket: int = 1,
+        graph_rows: int = 4,
         text_normalizer: TextNormalizer = "wetext",
     ):
         self.model_dir = Path(model_dir)
@@ -152,7 +153,8 @@ class Frontend:
             raise ValueError(f"fbank must be 'cpu' (reference arithmetic, in load) or 'device', got {fbank!r}")
         self._fbank_in_load = fbank == "cpu"
         batch_kw = {"max_batch": max_batch, "max_batch_tokens": max_batch_tokens, "bucket_s": bucket_s,
-                    "split_tf32": split_tf32, "row_bucket": row_bucket, "batch_bucket_s": batch_bucket_s}
+                    "split_tf32": split_tf32, "row_bucket": row_bucket, "batch_bucket_s": batch_bucket_s,
+                    "graph_rows": graph_rows}
         self._impl, reason, expected = _choose_backend(self.model_dir, cfg, backend, device, dtype, onnx_cuda,
                                                        onnx_threads, batch_kw)
         self.backend = "onnxruntime" if type(self._impl).__name__ == "OrtBackend" else "torch"

@@ -160,6 +160,11 @@ class FrontendProfile:
     # longer buckets repeat shapes more often (a new one costs ~80 ms of host planning) for more
     # padding
     batch_bucket_s: float = 0.5
+    # GPU frontend: a launch of at most this many prompts replays a CUDA graph of its shape (rows
+    # padded to a power of two, lengths to 0.5 s), captured when first met; a larger one queues
+    # its ~1,600 kernels one by one from the host (50-95 ms a launch on an H200's host: what holds
+    # the first tenth of a `synth` window). 4: prompts trickling in under a fixed concurrency
+    graph_rows: int = 4
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
@@ -429,6 +434,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optimizations.flow_graph_precapture_from": (lambda v: v >= 0, "must be >= 0"),
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "frontend.batch_bucket_s": (lambda v: v > 0, "must be > 0"),
+    "frontend.graph_rows": (lambda v: v >= 0, "must be >= 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
