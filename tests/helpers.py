@@ -168,3 +168,45 @@ def signal_when_ready(proc, ready, sig, timeout: float):
             proc.kill()
             proc.communicate()
     return err
+
+
+def solve_in_turn(runner, rows):
+    """The mels of ``solve_beside``'s work done one solve after another: rows 0 and 1's first
+    and second hops, then row 2's first hop."""
+    from cosybatch.codec.flow_runner import FlowJob
+
+    (a, pa, ta, ca), (b, pb, tb, cb), (c, pc, tc, cc) = rows[:3]
+    runner.run([FlowJob(a, ta, pa, ca[0]), FlowJob(b, tb, pb, cb[0])])
+    return runner.run([FlowJob(a, ta, pa, ca[1]), FlowJob(b, tb, pb, cb[1])]) + runner.run([FlowJob(c, tc, pc, cc[0])])
+
+
+def solve_beside(runner, rows, fill: bool = False, same_shape_first: bool = False):
+    """Rows 0 and 1's second hops (their prefixes in the arena) part-way through one solve, row
+    2's first hop started, stepped and finished beside it (``FlowRunner.start(beside=...)``),
+    then the first solve ended. Rows are (name, prompt, tokens, chunks). Returns the mels as
+    ``solve_in_turn`` orders them, whether the beside start moved the arena, the graphs it
+    captured, and both solves. ``fill``: the arena's free frames taken first (only growing it
+    would make room); ``same_shape_first``: row 2's first hop solved once before under another
+    name (its graph bucket captured, where there are graphs)."""
+    import torch
+
+    from cosybatch.codec.flow_runner import FlowJob
+
+    (a, pa, ta, ca), (b, pb, tb, cb), (c, pc, tc, cc) = rows[:3]
+    if same_shape_first:
+        runner.run([FlowJob("same shape", tc, pc, cc[0])])
+        runner.release("same shape")
+    runner.run([FlowJob(a, ta, pa, ca[0]), FlowJob(b, tb, pb, cb[0])])
+    main = runner.start([FlowJob(a, ta, pa, ca[1]), FlowJob(b, tb, pb, cb[1])])
+    main.step(3)
+    while fill and runner.cache.reserve(("filler", runner.cache.used_frames()), 8, torch.zeros(1), grow=False):
+        pass
+    version = runner.cache.version
+    captures = runner.graphs.stats.captures if runner.graphs is not None else 0
+    beside = runner.start([FlowJob(c, tc, pc, cc[0])], beside=main)
+    moved = runner.cache.version != version
+    beside.step(runner.n_steps)
+    first = beside.finish()
+    captured = (runner.graphs.stats.captures if runner.graphs is not None else 0) - captures
+    main.step(runner.n_steps)
+    return main.finish() + first, moved, captured, main, beside

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import ROWS, load_ref
+from helpers import solve_beside, solve_in_turn
 from cosybatch.codec.attention import SdpaBackend, _VarlenBase
 from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner
 from cosybatch.hops import Hop, HopSchedule, plan_segment
@@ -442,64 +443,35 @@ def test_triton_conv_form_only_where_its_tiles_fit():
 # --------------------------------------------------------------------------- a solve beside another (D39)
 
 
-def _beside_case(runner, rows, fill: bool = False):
-    """Rows 0 and 1's second hops (their prefixes in the arena) part-way through one solve, row
-    2's first hop started, stepped and finished beside it, then the first solve ended: the mels
-    of both, whether the beside start moved the arena, the graphs it captured, and the beside
-    solve. ``fill``: the arena's free frames taken first (only growing it would make room)."""
-    (a, pa, ta, ca), (b, pb, tb, cb), (c, pc, tc, cc) = rows
-    runner.run([FlowJob(a, ta, pa, ca[0]), FlowJob(b, tb, pb, cb[0])])
-    main = runner.start([FlowJob(a, ta, pa, ca[1]), FlowJob(b, tb, pb, cb[1])])
-    main.step(3)
-    while fill and runner.cache.reserve(("filler", runner.cache.used_frames()), 8, torch.zeros(1), grow=False):
-        pass
-    version = runner.cache.version
-    captures = runner.graphs.stats.captures if runner.graphs is not None else 0
-    beside = runner.start([FlowJob(c, tc, pc, cc[0])], beside=main)
-    moved = runner.cache.version != version
-    beside.step(runner.n_steps)
-    first = beside.finish()
-    captured = (runner.graphs.stats.captures if runner.graphs is not None else 0) - captures
-    main.step(runner.n_steps)
-    return main.finish(), first, moved, captured, beside
-
-
 @pytest.mark.parametrize("bucketed", [None, "new", "captured"])
-def test_a_solve_apart_another_gives_both_their_own_mels(flow, reference_dir, bucketed):
+def test_a_solve_beside_another_gives_both_their_own_mels(flow, reference_dir, bucketed):
     """``FlowRunner.start(beside=...)``: a solve queued while another is part-way through leaves
     that one as it was (its buffers, the arena's address): both give the mels each gives in
     turn, to the bounds the packings allow. Through graph buckets, the beside solve replays only
     an already captured bucket other than the first one's, else runs eagerly, capturing nothing."""
     rows = _long_rows(reference_dir, [300, 217, 160], seed=9)
     make = (lambda: _bucketed(flow)) if bucketed else (lambda: FlowRunner(flow))
-    ref = make()
-    ref.run([FlowJob(n, t, p, c[0]) for n, p, t, c in rows[:2]])
-    want_main = ref.run([FlowJob(n, t, p, c[1]) for n, p, t, c in rows[:2]])
-    (want_first,) = ref.run([FlowJob(rows[2][0], rows[2][2], rows[2][1], rows[2][3][0])])
-    runner = make()
-    if bucketed == "captured":  # the first hop's bucket captured by another row of its shape
-        n, p, t, c = rows[2]
-        runner.run([FlowJob("same shape", t, p, c[0])])
-        runner.release("same shape")
-    got_main, got_first, moved, captured, beside = _beside_case(runner, rows)
+    want = solve_in_turn(make(), rows)
+    got, moved, captured, _, beside = solve_beside(make(), rows, same_shape_first=bucketed == "captured")
     assert not moved and captured == 0
-    for got, want in zip(got_main + got_first, want_main + [want_first]):
-        assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-5
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-5
     if bucketed == "new":
         assert beside.entry is None  # its bucket was not captured yet: eager, on its own buffers
     if bucketed == "captured":
         assert beside.entry is not None and beside.entry.replay is not None  # replayed
 
-def test_a_solve_apart_another_does_not_move_the_arena(flow, reference_dir):
+
+def test_a_solve_beside_another_does_not_move_the_arena(flow, reference_dir):
     """A beside solve whose first hop does not fit the arena recomputes it instead of growing it
     (the other solve holds its address); with no arena yet, none is made and nothing is planned."""
     rows = _long_rows(reference_dir, [300, 217, 160], seed=10)
     runner = FlowRunner(flow)
-    got_main, got_first, moved, _, _ = _beside_case(runner, rows, fill=True)
+    got, moved, _, _, _ = solve_beside(runner, rows, fill=True)
     assert not moved and runner.stats["uncached_hops"] == 1
     ref = FlowRunner(flow)
     (want_first,) = ref.run([FlowJob(rows[2][0], rows[2][2], rows[2][1], rows[2][3][0])])
-    assert (got_first[0] - want_first).abs().max().item() <= 1e-5
+    assert (got[-1] - want_first).abs().max().item() <= 1e-5
     fresh = FlowRunner(flow)
     whole = fresh.start([FlowJob("whole", rows[0][2], rows[0][1], None)])  # a whole response: no arena
     assert fresh.start([FlowJob(rows[2][0], rows[2][2], rows[2][1], rows[2][3][0])], beside=whole) is None

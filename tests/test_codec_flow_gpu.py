@@ -22,6 +22,7 @@ from cosybatch.models.flow import CausalMaskedDiffWithDiT
 from cosybatch.prompt import PromptFeatures
 from cosybatch.reference.token2wav import flow_chunk, flow_full
 from parity import rel_rms
+from helpers import solve_beside, solve_in_turn
 
 pytestmark = pytest.mark.gpu
 
@@ -412,37 +413,22 @@ def test_fused_layers_keep_the_flow(setup):
 
 
 @pytest.mark.parametrize("captured", [False, True])
-def test_a_solve_apart_a_graphed_one_leaves_it_as_it_was(setup, captured):
+def test_a_solve_beside_a_graphed_one_leaves_it_as_it_was(setup, captured):
     """``FlowRunner.start(beside=...)`` (design.md D39) with real CUDA graphs: rows 0 and 1's
     second hops replayed part-way, row 2's first hop solved beside them (eagerly on a bucket not
     captured yet; ``captured``: replaying its own bucket, captured by a row of that shape before),
     then the first solve's last steps. Both give what they give in turn, within the bf16 bound
     of two packings, and the beside solve neither captures nor moves the arena."""
     flow, rows = setup
-    (a, pa, ta, ca), (b, pb, tb, cb), (c, pc, tc, cc) = rows[:3]
 
     def runner():
         return FlowRunner(flow, dtype=torch.bfloat16, attention="auto", graphs=True)
 
-    ref = runner()
-    ref.run([FlowJob(a, ta, pa, ca[0]), FlowJob(b, tb, pb, cb[0])])
-    want = ref.run([FlowJob(a, ta, pa, ca[1]), FlowJob(b, tb, pb, cb[1])]) + ref.run([FlowJob(c, tc, pc, cc[0])])
-    r = runner()
-    if captured:
-        r.run([FlowJob("same shape", tc, pc, cc[0])])
-        r.release("same shape")
-    r.run([FlowJob(a, ta, pa, ca[0]), FlowJob(b, tb, pb, cb[0])])
-    main = r.start([FlowJob(a, ta, pa, ca[1]), FlowJob(b, tb, pb, cb[1])])
-    main.step(4)
-    version, captures = r.cache.version, r.graphs.stats.captures
-    beside = r.start([FlowJob(c, tc, pc, cc[0])], beside=main)
-    beside.step(r.n_steps)
-    first = beside.finish()
-    assert r.cache.version == version and r.graphs.stats.captures == captures
+    want = solve_in_turn(runner(), rows)
+    got, moved, new_graphs, main, beside = solve_beside(runner(), rows, same_shape_first=captured)
+    assert not moved and new_graphs == 0
     if DEVICE == "cuda":  # (graph buckets are CUDA's)
         assert main.entry is not None and (beside.entry is not None) == captured
-    main.step(r.n_steps)
-    got = main.finish() + first
     worst = max(rel_rms(g, w) for g, w in zip(got, want))
     print(f"beside a graphed solve (captured bucket: {captured}): worst rel RMS {worst:.2e}")
     assert worst <= 5e-3  # the bound of two packings in bf16 (above)
