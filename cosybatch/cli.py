@@ -421,9 +421,9 @@ def synth(manifest: Path, model: str, out_dir: Path, stream: bool | None, device
     # in this process, on the GPU thread's GIL, while it warms up.
     encoder = None
     if factory == DEFAULT_FACTORY and checked is not None and checked.engine == "fast":
-        from cosybatch.helper_process import HelperProcess
+        from cosybatch.run.synth import start_encoder
 
-        encoder = HelperProcess("encoder", warm=(audio.prepare,), local_until_warm=True)
+        encoder = start_encoder(audio)
     try:
         with signals_decide_setup():
             synthesizer = opts.build(_device_for(device), _load_factory(factory))

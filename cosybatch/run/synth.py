@@ -168,6 +168,15 @@ def run_synth(manifest: Manifest, synth: Any, out_dir: str | os.PathLike, *, str
                     shard, quiet, argv, ledger_path, timing_path, timing_interval_s, console, earlier, encoder).go()
 
 
+def start_encoder(audio: AudioFormat) -> Any:
+    """The helper process that encodes a fast engine's rows (``run_synth``'s ``encoder``): it
+    imports what ``audio`` encodes with while the caller goes on, rows being encoded in the
+    calling process until it has."""
+    from cosybatch.helper_process import HelperProcess
+
+    return HelperProcess("encoder", warm=(audio.prepare,), local_until_warm=True)
+
+
 @dataclass
 class _Run:
     manifest: Manifest
@@ -311,10 +320,7 @@ class _Run:
         # holds the GIL for seconds on a slow host): ``synth`` starts it before the synthesizer's
         # start-up (``early_encoder``), so that it is ready by the first row.
         if getattr(self.synth, "helper_processes", False):
-            from cosybatch.helper_process import HelperProcess
-
-            self.encoder = self.early_encoder or HelperProcess("encoder", warm=(self.audio.prepare,),
-                                                               local_until_warm=True)
+            self.encoder = self.early_encoder or start_encoder(self.audio)
         if self.encoder is None or not self.encoder.alive:
             self.audio.prepare()
         # A synthesizer may prepare for the run's size (FastSynthesizer: start-up graph captures
