@@ -162,9 +162,8 @@ class FastPipeline:
         self._order = 0
         self._marks: deque = deque()  # an event at the end of each recent iteration's work
         self._counter_base: dict[str, int] = {}
-        # captures made before the first request (start-up) are not the window's
-        self._capture_base = {k: g["captures"] for k, g in self._graph_stats().items() if g and "captures" in g}
-        self._compile_base = len(watching().log) if watching() else 0
+        # captures and kernel compiles made before the first request (start-up) are not the window's
+        self._window_bases(self._graph_stats())
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # set-up work (weights, schedules, graphs) is done
 
@@ -250,9 +249,14 @@ class FastPipeline:
             self.acct.reset()
             self._counter_base = now
             self._lives.clear()
-            self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
-            self._compile_base = len(watch.log) if watch else 0
+            self._window_bases(graphs)
         return out
+
+    def _window_bases(self, graphs: dict) -> None:
+        """What the window's graph captures and kernel compiles are counted from: the counts now."""
+        self._capture_base = {k: g["captures"] for k, g in graphs.items() if g and "captures" in g}
+        watch = watching()
+        self._compile_base = len(watch.log) if watch else 0
 
     def precapture_flow_graphs(self) -> None:
         """The start-up flow captures the constructor was told to leave (``precapture_flow``):
