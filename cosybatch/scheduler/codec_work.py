@@ -170,8 +170,12 @@ class CodecWork:
     def _heads(self, ready: list[QueuedHop], segments: tuple) -> list[QueuedHop]:
         """The ready hops of these segments still at the head of their queues (``between`` may
         have dropped a failed row's hops, and a solve apart taken others), in the plan's order."""
-        by_seg = {h.job.segment_id: h for h in ready if self.hops.get(h.job.segment_id, [None])[0] is h}
-        return [by_seg[s] for s in segments if s in by_seg]
+        by_seg = {h.job.segment_id: h for h in ready}
+        return [by_seg[s] for s in segments if s in by_seg and self._at_head(by_seg[s])]
+
+    def _at_head(self, hop: QueuedHop) -> bool:
+        q = self.hops.get(hop.job.segment_id)  # emptied (not removed) when its last hop was solved
+        return bool(q) and q[0] is hop
 
     def _in_active(self, hop: QueuedHop) -> bool:
         return self.active is not None and any(h is hop for h in self.active.hops)
@@ -245,9 +249,8 @@ class CodecWork:
             done = torch.cuda.Event()
             done.record()
         for h, mel in zip(a.hops, mels):
-            q = self.hops.get(h.job.segment_id)
-            if q and q[0] is h:
-                q.popleft()
+            if self._at_head(h):
+                self.hops[h.job.segment_id].popleft()
             if h.job.segment_id not in self._dead:
                 self.mels.append(_Mel(h, mel, now, done))
         if main:
@@ -350,9 +353,8 @@ class CodecWork:
             self.limits = replace(self.limits, **{"max_hift" if hift else "max_jobs": max(1, half)})
 
     def _fail(self, hop: QueuedHop, e: Exception) -> None:
-        q = self.hops.get(hop.job.segment_id)
-        if q and q[0] is hop:
-            q.popleft()
+        if self._at_head(hop):
+            self.hops[hop.job.segment_id].popleft()
         self.failed.append((hop, e))
 
     def _warn(self, stage: str, e: Exception, n: int) -> None:
