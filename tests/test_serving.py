@@ -74,6 +74,44 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
             assert_wave_close(got, w, (row, i))  # tests/parity.py: why SNR + a phase-tolerant max
 
 
+
+@pytest.mark.parametrize("step_ms", [0.05, 20.0, 300.0])
+def test_streaming_output_is_the_official_one_whatever_the_clock_says(parts, fixtures_dir, reference_dir,
+                                                                      monkeypatch, step_ms):
+    """The codec's policy plans from the host clock (deadlines, waits, a player about to run dry),
+    so which of its branches run depends on how fast the host is. A seeded clock that moves 0 to
+    ``step_ms`` at every read stands for hosts far slower and faster than this one (at 300 ms
+    every deadline is urgent, at 0.05 ms none comes before the AR engine idles; the HiFT batches
+    differ), with first hops solved apart: the output stays the official one."""
+    import random
+    import time
+
+    from cosybatch.profiles import load_profile
+    from cosybatch.synthesizers import fast_pipeline
+
+    models, frontend = parts
+    profile = load_profile("default", FP32 + ["mode=streaming", "ar.max_num_seqs=3", "codec.max_num_seqs=2",
+                                              "optimizations.prefix_reuse=true"] + FIRST_APART)
+    pipe = fast_pipeline(models, frontend, profile, torch.device("cpu"))
+    rng, now = random.Random(7), [1000.0]
+
+    def clock():
+        now[0] += rng.uniform(0.0, step_ms) / 1e3
+        return now[0]
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    rows = fixture_rows(fixtures_dir)
+    chunks, ends = drain(pipe, [(r.utt_id, r, True) for r in rows])
+    pipe.close()
+    monkeypatch.undo()
+    assert all(e.kind == "done" for e in ends.values())
+    _, want = official(reference_dir, True)
+    for row in ROWS:
+        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
+        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
+            assert_wave_close(got, w, (row, i))
+
+
 def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
     from cosybatch.manifest import ManifestRow
     from cosybatch.profiles import load_profile
