@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from cosybatch.scheduler.costs import CostModel
 from cosybatch.scheduler.policy import (INF, Costs, ReadyHop, Limits, Mel, Solve, codec_turn, iteration_budget,
                                        launch_prompts, pick_jobs, plan, worth_starting)
@@ -521,6 +523,9 @@ def test_first_hops_are_solved_apart_before_a_long_solve_in_progress_when_asked(
     # a player of the running solve about to run dry: that solve finishes first
     dry = plan(1.0, apart, costs, True, Solve(8000, 8, deadline=1.1), [first], [])
     assert dry.apart == () and dry.flow_steps == 8
+    # a decoding row's player within the lead of running dry: its tokens go first, no solve apart
+    assert plan(1.0, apart, costs, True, running, [later, first], [], ar_deadline=1.4).apart == ()
+    assert plan(1.0, apart, costs, True, running, [later, first], [], ar_deadline=1.6).apart == ("f",)
     # no solve in progress: first hops are solved apart and the rest starts as before
     idle = plan(1.0, apart, costs, True, None, [first, later], [])
     assert idle.apart == ("f",) and "f" not in idle.start
@@ -529,27 +534,31 @@ def test_first_hops_are_solved_apart_before_a_long_solve_in_progress_when_asked(
     assert plan(1.0, full, costs, True, running, [first], []).apart == ()
 
 
-def test_first_hops_apart_bring_first_audio_sooner_in_a_simulated_run():
-    """The simulated C32 streaming run of ``_trace``'s rows with deadline batching: a row's
-    first audio waits for the solve in progress and then for its own large solve, spread over
-    many iterations; solved apart, it waits for neither. Every row still finishes, no player
-    runs dry, and the extra small solves cost little wall time."""
+@pytest.mark.parametrize("concurrency,ar_ms", [(32, 1.9), (64, 2.3)])
+def test_first_hops_apart_bring_first_audio_sooner_in_a_simulated_run(concurrency, ar_ms):
+    """Simulated closed-loop streaming runs with deadline batching, every row admitted at once
+    (flow costs twice the H200's): a row's first audio waits for the solve in progress and then
+    for its own large solve, spread over many iterations; solved apart, it waits for neither.
+    Every row still finishes, no player runs dry, and the extra small solves cost little wall
+    time. At C64, solving every first hop apart at the start (64 of them) held back the AR steps
+    of the rows already playing: 12 of 400 rows ran dry until solves apart waited for a decoding
+    row's player to have the lead in hand (with it: first audio 229 -> 170 ms at the median)."""
     import random
     import statistics
 
     from timeline_sim import simulate
 
     rng = random.Random(0)
-    lengths = [rng.randint(150, 600) for _ in range(200)]
+    lengths = [rng.randint(150, 600) for _ in range(400 if concurrency == 64 else 200)]
     costs = Costs(flow_step_ms_per_token=2e-3, flow_step_ms=1.0, hift_ms_per_frame=5e-3, hift_ms=1.0)
-    base = dict(streaming=True, budget_ms=4.0, max_jobs=32, max_hift=32, ar_capacity=32, deadline_lead_s=0.5,
-                deadline_tokens=8192)
-    runs = {on: simulate(Limits(**base, first_apart=on), costs, lengths, concurrency=32, ar_ms=1.9)
+    base = dict(streaming=True, budget_ms=4.0, max_jobs=concurrency, max_hift=concurrency, ar_capacity=concurrency,
+                deadline_lead_s=0.5, deadline_tokens=8192)
+    runs = {on: simulate(Limits(**base, first_apart=on), costs, lengths, concurrency=concurrency, ar_ms=ar_ms)
             for on in (False, True)}
     before, after = (statistics.median(runs[on].first_audio_s) for on in (False, True))
-    assert after < 0.5 * before, (before, after)
+    assert after < 0.8 * before, (before, after)
     assert math.isclose(runs[True].audio_s, runs[False].audio_s)
-    assert runs[True].underrun_rows <= runs[False].underrun_rows
+    assert runs[True].underrun_rows <= runs[False].underrun_rows == 0
     assert runs[True].wall_s < 1.05 * runs[False].wall_s
 
 

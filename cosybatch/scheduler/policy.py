@@ -253,12 +253,18 @@ def worth_starting(now: float, lim: Limits, costs: Costs, ar_active: bool, hops:
     return any(must_start(h, lim, now) for h in hops)
 
 
-def first_hops_apart(now: float, lim: Limits, costs: Costs, solve: Solve | None, hops: list[ReadyHop]) -> list[ReadyHop]:
+def first_hops_apart(now: float, lim: Limits, costs: Costs, solve: Solve | None, hops: list[ReadyHop],
+                     ar_deadline: float = INF) -> list[ReadyHop]:
     """First hops to solve now, whole and apart (``first_apart``, design.md D39): a listener
     waits for each, and in the usual order it would wait for the solve in progress to end and
     then for its own, which deadline batching makes large and spreads over many iterations. Not
-    while a player of the solve in progress is about to run dry (that solve finishes first)."""
+    while a player of the solve in progress is about to run dry (that solve finishes first), nor
+    while a row the AR engine decodes has less than the lead (``deadline_lead_s``, else
+    ``urgent_s``) of audio left: its next chunk still needs AR steps, which a solve apart delays
+    (``ar_deadline``: the earliest deadline among those rows)."""
     if not (lim.streaming and lim.first_apart) or (solve is not None and solve.deadline - now <= lim.urgent_s):
+        return []
+    if ar_deadline - now <= (lim.deadline_lead_s if lim.deadline_lead_s is not None else lim.urgent_s):
         return []
     firsts = [h for h in hops if h.first]
     return pick_jobs(firsts, lim, costs, True, now, large=False) if firsts else []
@@ -286,7 +292,7 @@ def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | 
             hift = tuple(m.segment_id for m in queue)
             spent += costs.hift(sum(m.frames for m in queue))
     # first hops solved whole and apart, queued first; what is left of the budget goes on
-    firsts = first_hops_apart(now, lim, costs, solve, hops)
+    firsts = first_hops_apart(now, lim, costs, solve, hops, ar_deadline)
     if firsts:
         spent += costs.flow_step(sum(h.tokens for h in firsts)) * lim.n_steps
         taken = {h.segment_id for h in firsts}
