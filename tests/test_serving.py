@@ -65,7 +65,8 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
         assert True in turns, turns
     assert bool(held) == (timeline == PREFILL_BATCHING)
     # every row's life is accounted, stage by stage (times run forward)
-    assert set(stages) == {"prompt", "first_tokens", "first_audio", "after_tokens", "decoding"}, stages
+    assert set(stages) == {"prompt", "first_tokens", "prefill", "first_decode", "first_audio", "after_tokens",
+                           "decoding"}, stages
     assert all(v["p50"] >= 0 and v["mean"] >= 0 for v in stages.values()), stages
     _, want = official(reference_dir, stream)
     for row in ROWS:

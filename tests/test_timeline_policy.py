@@ -390,11 +390,15 @@ def test_with_the_ar_step_beside_the_codec_is_fed_without_holding_the_ar_step_ba
 def test_row_stages_are_the_spans_between_a_rows_host_times():
     from cosybatch.scheduler.pipeline import row_stages
 
-    lives = [{"added": 0.0, "admitted": 0.1, "first_hop": 0.3, "first_audio": 0.4, "last_token": 1.0, "done": 1.5},
-             {"added": 0.0, "admitted": 0.3, "first_hop": 0.4, "first_audio": 0.9, "last_token": 2.0, "done": 2.1}]
+    lives = [{"added": 0.0, "admitted": 0.1, "first_token": 0.2, "first_hop": 0.3, "first_audio": 0.4,
+              "last_token": 1.0, "done": 1.5},
+             {"added": 0.0, "admitted": 0.3, "first_token": 0.32, "first_hop": 0.4, "first_audio": 0.9,
+              "last_token": 2.0, "done": 2.1}]
     got = row_stages(lives)
     assert got["prompt"] == {"p50": 200.0, "mean": 200.0}
     assert got["first_tokens"] == {"p50": 150.0, "mean": 150.0}
+    assert got["prefill"] == {"p50": 60.0, "mean": 60.0}  # first_tokens = prefill + first_decode
+    assert got["first_decode"] == {"p50": 90.0, "mean": 90.0}
     assert got["first_audio"] == {"p50": 300.0, "mean": 300.0}
     assert got["after_tokens"] == {"p50": 300.0, "mean": 300.0}
     assert got["decoding"] == {"p50": 1300.0, "mean": 1300.0}

@@ -611,6 +611,8 @@ class FastPipeline:
 # three) and the end-to-end time (all but the last, which overlaps them) are made of.
 ROW_STAGES = (("prompt", "added", "admitted"),  # queued for the frontend, prompt features
               ("first_tokens", "admitted", "first_hop"),  # prefill and the first hop's decode steps
+              ("prefill", "admitted", "first_token"),  # of it: waiting for the prefill, and the prefill
+              ("first_decode", "first_token", "first_hop"),  # of it: the decode steps to the first hop
               ("first_audio", "first_hop", "first_audio"),  # the first hop's flow solve and HiFT
               ("after_tokens", "last_token", "done"),  # the final hops after the last token
               ("decoding", "admitted", "last_token"))
