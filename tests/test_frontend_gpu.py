@@ -252,3 +252,32 @@ def test_campplus_beside_the_tokenizer_changes_nothing(fp32_frontend, prompts):
         impl._side = side
     for a, b in zip(overlapped, serial):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.embedding, b.embedding) and torch.equal(a.mel, b.mel)
+
+
+def test_fused_frontend_ops_equal_their_eager_twins_on_the_gpu():
+    """design.md D40 on CUDA: the operand split of a 3xTF32 linear and a CAM++ dense layer's tail
+    as Triton kernels give the eager ops' bits (they do the same float32 operations in the same
+    order; the tests in tests/test_frontend_triton_interp.py hold them to that on the CPU)."""
+    if DEVICE != "cuda":
+        pytest.skip("the compiled kernels need CUDA")
+    from cosybatch.frontend import triton_kernels as K
+    from cosybatch.frontend.split_tf32 import split
+    from cosybatch.models.campplus_fast import CAMPPlusFast, _Plan
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 1280, device="cuda", generator=g) * 3
+    hi, lo = split(x)
+    assert torch.equal(K.tf32_split2(x), torch.cat([lo, hi], 1))
+    b, t, width = 5, 301, 32
+    lengths = torch.tensor([301, 250, 120, 301, 7], device="cuda")
+    for padded in (True, False):
+        plan = _Plan(lengths if padded else torch.full_like(lengths, t), t, 100, torch.float32, padded)
+        gate = torch.rand(b, plan.n_seg, width, device="cuda", generator=g)
+        for dilation in (1, 2):
+            want, got = (torch.zeros(b, t, 256, device="cuda") for _ in range(2))
+            h = torch.randn(b, t, 16, device="cuda", generator=g)
+            p = {"local": torch.randn(3 * width, 16, device="cuda", generator=g), "taps": 3, "dilation": dilation}
+            torch.mul(CAMPPlusFast._local(h, p, plan), gate.index_select(1, plan.seg_of), out=want[..., 64:96])
+            K.cam_taps_gate(torch.nn.functional.linear(h, p["local"]), gate, plan.seg_of, plan.keep,
+                            got[..., 64:96], 3, dilation)
+            assert torch.equal(got, want), (padded, dilation)

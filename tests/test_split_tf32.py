@@ -44,11 +44,22 @@ def test_three_tf32_products_are_float32_grade():
     scale = exact.abs().mean()
     (ah, al), (bh, bl) = split(a), split(b)
     three = _tf32_gemm(al, bh) + _tf32_gemm(ah, bl) + _tf32_gemm(ah, bh)
+    # as SplitTF32Linear runs them: the two small terms as one GEMM over [a_lo | a_hi], then a_hi b_hi
+    pair = _tf32_gemm(torch.cat([al, ah], 1), torch.cat([bh, bl], 0)).float().double() + _tf32_gemm(ah, bh)
+    assert (pair - three).abs().max() / scale < 1e-6
     one = _tf32_gemm(a, b)
     f32 = (a @ b).double()
     err3, err1, err32 = ((x - exact).abs().max() / scale for x in (three, one, f32))
     assert err3 < 1e-5 and err3 < 4 * max(err32, 1e-7), (err3, err32)
     assert err1 > 100 * err3  # one TF32 product is what the split avoids
+
+
+def test_split2_lays_low_then_high_parts_side_by_side():
+    from cosybatch.frontend.split_tf32 import split2
+
+    x = _values(1000).reshape(-1, 19)  # 1,007 values: 53 rows of 19
+    hi, lo = split(x)
+    assert torch.equal(split2(x), torch.cat([lo, hi], 1))
 
 
 def test_split_linear_equals_linear_on_cpu():

@@ -6,7 +6,7 @@ part that TF32 holds exactly (the float32 with its low 13 mantissa bits cleared)
 
     a @ b = a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi + a_lo @ b_lo,
 
-and three TF32 GEMMs with float32 accumulation keep the first three terms. What is lost: the
+and TF32 GEMMs with float32 accumulation keep the first three terms. What is lost: the
 dropped term (at most 2**-20 of |a||b|, typically ~2**-22) and TF32's reading of the two small
 parts (~2**-21 of them): a few bits short of float32's 2**-24 per operation, against 2**-11
 for a single TF32 GEMM, which flips speech-tokenizer codes (measured: 99.35 % of positions
@@ -21,10 +21,13 @@ precision. On a CPU there is no TF32: the three products are plain float32 and e
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from cosybatch.gpu.runtime import float32_math
+from cosybatch.gpu.runtime import float32_math, triton_available
 
 _HIGH_BITS = -(1 << 13)  # int32 0xFFFFE000: sign, exponent and the top 10 mantissa bits
 
@@ -40,33 +43,50 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, x - hi
 
 
+@functools.cache
+def _fused_split2():
+    """The Triton twin of ``split2`` where Triton imports, else None."""
+    if not triton_available():
+        return None
+    from cosybatch.frontend.triton_kernels import tf32_split2
+
+    return tf32_split2
+
+
+def split2(x: torch.Tensor) -> torch.Tensor:
+    """[M, K] float32 -> [M, 2K] = [low | high] (one Triton pass on CUDA, ``split`` elsewhere)."""
+    fused = _fused_split2() if x.is_cuda else None
+    if fused is not None:
+        return fused(x)
+    hi, lo = split(x)
+    return torch.cat([lo, hi], dim=1)
+
+
 class SplitTF32Linear(nn.Module):
-    """``nn.Linear`` over float32 computed as three TF32 GEMMs (see the module docstring)."""
+    """``nn.Linear`` over float32 computed as three TF32 products (see the module docstring), in
+    two GEMMs: ``[x_lo | x_hi] @ [w_hi | w_lo]^T`` (the two small terms, one GEMM over twice the
+    inner size, the bias in its epilogue), then ``x_hi @ w_hi^T`` added, the exact-in-TF32 product
+    last. With the operand's split in one kernel that is three launches a linear instead of five
+    (design.md D40)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
         hi, lo = split(w)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # transposed once: addmm_ reads [in, out]
-        self.register_buffer("w_hi_t", hi.t().contiguous())
-        self.register_buffer("w_lo_t", lo.t().contiguous())
+        # [out, 2 in]: pairs with [x_lo | x_hi]; its first half is w_hi, which the last product reads
+        self.register_buffer("w_pair", torch.cat([hi, lo], dim=1).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x_hi, x_lo = split(x.reshape(-1, shape[-1]).float())
+        shape, k = x.shape, self.in_features
+        pair = split2(x.reshape(-1, k).float())
         with float32_math(conv_tf32=False, matmul_tf32=True):
-            # smallest terms first, the exact-in-TF32 product last
-            if self.bias is None:
-                y = x_lo @ self.w_hi_t
-            else:
-                y = torch.addmm(self.bias, x_lo, self.w_hi_t)
-            y.addmm_(x_hi, self.w_lo_t)
-            y.addmm_(x_hi, self.w_hi_t)
+            y = F.linear(pair, self.w_pair, self.bias)  # x_lo w_hi + x_hi w_lo (+ bias)
+            y.addmm_(pair[:, k:], self.w_pair[:, :k].t())  # + x_hi w_hi
         return y.view(*shape[:-1], self.out_features)
 
 
@@ -80,4 +100,4 @@ def split_linears(module: nn.Module) -> nn.Module:
     return module
 
 
-__all__ = ["SplitTF32Linear", "split", "split_linears", "tf32_high"]
+__all__ = ["SplitTF32Linear", "split", "split2", "split_linears", "tf32_high"]

@@ -13,7 +13,7 @@ and host<->device copies go through pinned buffers, so nothing waits on the devi
 results are read: ``launch`` queues the work and the copies back and returns at once (the
 pipeline reads them an iteration later, so its frontend slices never drain the GPU's queue),
 ``compute`` waits for them. On CUDA, chunks of at most ``graph_rows`` prompts (the latency case: prompts
-trickling in one by one) replay a CUDA graph per shape instead of launching ~1,100 kernels:
+trickling in one by one) replay a CUDA graph per shape instead of launching ~1,200 kernels:
 the graph runs the masked (padded) path of every model, which the batched path already runs
 for every row shorter than its chunk's longest, and returns codes, embedding and mel packed in
 one tensor, so one copy brings them back. Such chunks are padded to 1, 2 or 4 rows (copies of
@@ -50,7 +50,7 @@ from cosybatch.gpu.graph_cache import GraphCache
 from cosybatch.models.campplus import CAMPPlus
 from cosybatch.models.campplus_fast import CAMPPlusFast
 from cosybatch.models.s3tokenizer import S3TokenizerV3, token_lengths
-from cosybatch.gpu.runtime import float32_math
+from cosybatch.gpu.runtime import float32_math, triton_available
 from cosybatch.gpu.streams import on_stream
 
 SAMPLE_RATE = 16000
@@ -105,7 +105,10 @@ class TorchBackend:
         self.split_tf32 = split_tf32 and dtype == torch.float32 and self.device.type == "cuda"
         if self.split_tf32:  # the FSQ projection (dim -> 8) stays strict: it is tiny
             split_linears(self.tokenizer.blocks)
-        self.campplus = CAMPPlusFast(campplus).to(device=self.device, dtype=dtype).eval()
+        taps_gate = None
+        if self.device.type == "cuda" and triton_available():  # a dense layer's tail as one kernel (D40)
+            from cosybatch.frontend.triton_kernels import cam_taps_gate as taps_gate
+        self.campplus = CAMPPlusFast(campplus, taps_gate).to(device=self.device, dtype=dtype).eval()
         self.max_batch = max(1, int(max_batch))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.bucket_s = float(bucket_s)

@@ -21,6 +21,8 @@ onnxruntime.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,9 +73,13 @@ class _Plan:
 class CAMPPlusFast(nn.Module):
     """Wraps a loaded ``CAMPPlus``; ``forward(feats, lengths, padded)`` -> [B, embedding]."""
 
-    def __init__(self, model: CAMPPlus):
+    def __init__(self, model: CAMPPlus, taps_gate: Callable | None = None):
+        """``taps_gate``: a dense layer's tail as one fused call, ``taps_gate(z, gate, seg_of,
+        keep, out, taps, dilation)`` writing what ``_local`` times the gathered gate gives (the
+        frontend passes its Triton kernel on CUDA); None: those ops one by one."""
         super().__init__()
         self.model = model.eval()
+        self.taps_gate = taps_gate
         self._folded: dict | None = None
 
     @property
@@ -127,10 +133,13 @@ class CAMPPlusFast(nn.Module):
         scale, shift = p["bn"]
         h = torch.addcmul(shift, buf[..., :cin], scale).relu_()
         h = _linear_relu(h, p["w1"], p["b1"])
-        y = self._local(h, p, plan)
         ctx = torch.matmul(plan.ctx_avg, h)  # [B, S, C]: segment mean + global mean
         gate = torch.sigmoid(F.linear(_linear_relu(ctx, p["wc1"], p["bc1"]), p["wc2"], p["bc2"]))
-        torch.mul(y, gate.index_select(1, plan.seg_of), out=buf[..., cin : cin + y.shape[-1]])
+        out = buf[..., cin : cin + p["local"].shape[0] // p["taps"]]
+        if self.taps_gate is not None:
+            self.taps_gate(F.linear(h, p["local"]), gate, plan.seg_of, plan.keep, out, p["taps"], p["dilation"])
+            return
+        torch.mul(self._local(h, p, plan), gate.index_select(1, plan.seg_of), out=out)
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor, padded: bool | None = None) -> torch.Tensor:
         m, cfg = self.model, self.cfg

@@ -153,7 +153,7 @@ def launch_prompts(gathered: int, backlog: int, batch: int, waited_s: float = 0.
                    more_coming: bool = True) -> bool:
     """Whether the GPU frontend launches the ``gathered`` prompts now (design.md D15).
 
-    A launch has a fixed cost (its kernels are launched one by one, ~1,500 of them), so a
+    A launch has a fixed cost (its kernels are launched one by one, ~1,200 of them), so a
     few prompts at a time waste it, but rows must not wait for their features while the AR
     engine could run them: launch a full ``batch``, or whatever has gathered once the engine
     has fewer than ``batch`` rows queued ahead of them (``backlog``: rows admitted to the
