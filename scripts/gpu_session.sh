@@ -11,7 +11,8 @@
 #        (SYNTH_ARGS: more arguments for every synth run, e.g. "--set codec.frontend_workers=2";
 #        PROFILE_ARGS: the same for every profile run)
 #        synthbase=DIR (synth with the cosybatch package in DIR, e.g. `git archive C cosybatch`
-#        unpacked there: a baseline commit in the same lease)
+#        unpacked there: a baseline commit in the same lease), frontendpartsbase=DIR (frontendparts
+#        with DIR's package and script: `git archive C cosybatch scripts`; design.md D40's before/after)
 #        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
 #        bytecode:STEP (STEP with Python's bytecode kept under /tmp/pycache, where the image sets
 #        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`),
@@ -191,6 +192,11 @@ for step in "$@"; do
     frontendparts) setup; log "profile_frontend: each part eager and graphed, batch 1/4/64"
       timeout 200 python3 scripts/profile_frontend.py --model-dir $CKPT --batches 1,4,64 --json "$OUT/profile_frontend.json" \
         2>&1 | tee "$OUT/profile_frontend.txt" | grep -v "^  " ;;
+    frontendpartsbase=*) setup; d=${step#*=}  # the same from DIR: `git archive COMMIT cosybatch scripts | tar -x -C DIR`
+      [ -f "$d/scripts/profile_frontend.py" ] || { log "$step: $d/scripts/profile_frontend.py not found"; continue; }
+      log "profile_frontend of the package in $d"
+      ( cd "$d" && timeout 200 python3 scripts/profile_frontend.py --model-dir $CKPT --batches 1,4,64 \
+          --json "$OUT/profile_frontend-base.json" ) 2>&1 | tee "$OUT/profile_frontend-base.txt" | grep -v "^  " ;;
     quick) setup; prof quick32 packed_streaming_optimized_standard 32 256 32 ;;
     c32) setup; prof c32 packed_streaming_optimized_standard 32 1088 64 ;;
     c32host) setup; prof c32host packed_streaming_optimized_standard 32 512 64 --host-profile "$OUT/c32-host.pstats" ;;
