@@ -86,7 +86,8 @@ def cam_taps_gate(z: torch.Tensor, gate: torch.Tensor, seg_of: torch.Tensor, kee
     keep_arg = keep.reshape(bsz, t).contiguous() if keep is not None else z  # unread without PADDED
     _cam_taps_gate_kernel[(bsz, triton.cdiv(t, block_t))](
         z, gate, seg_of, keep_arg, out, t, dilation, gate.shape[1], out.stride(0), out.stride(1),
-        G=g, TAPS=taps, HALF=(taps - 1) // 2, BLOCK_T=block_t, BLOCK_C=triton.next_power_of_2(g), PADDED=keep is not None, num_warps=4)
+        G=g, TAPS=taps, HALF=(taps - 1) // 2, BLOCK_T=block_t, BLOCK_C=triton.next_power_of_2(g),
+        PADDED=keep is not None, num_warps=4)
 
 
 __all__ = ["cam_taps_gate", "tf32_split2"]

@@ -162,8 +162,9 @@ class FrontendProfile:
     batch_bucket_s: float = 0.5
     # GPU frontend: a launch of at most this many prompts replays a CUDA graph of its shape (rows
     # padded to a power of two, lengths to 0.5 s), captured when first met; a larger one queues
-    # its ~1,200 kernels one by one from the host (~1,600 before design.md D40: 50-95 ms a launch on an H200's host, what holds
-    # the first tenth of a `synth` window). 4: prompts trickling in under a fixed concurrency
+    # its ~1,200 kernels one by one from the host (~1,600 before design.md D40: 50-95 ms a launch
+    # on an H200's host, what holds the first tenth of a `synth` window). 4: prompts trickling in
+    # under a fixed concurrency
     graph_rows: int = 4
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
