@@ -86,9 +86,9 @@ def _random_plan(rng, streaming):
         apart = pick([h.segment_id for h in hops if h.first], 0.5) if streaming else ()
         hift = pick(list(dict.fromkeys(m.segment_id for m in mels)), 0.6)
         steps = rng.randint(0, solve.steps_left) if solve is not None else 0
-        start = pick([h.segment_id for h in hops if h.segment_id not in apart], 0.6)
-        rng.shuffle(list(start))
-        return SlicePlan(hift, steps, start, rng.randint(0, STEPS) if start else 0, apart)
+        start = list(pick([h.segment_id for h in hops if h.segment_id not in apart], 0.6))
+        rng.shuffle(start)  # the plan's order, which the start keeps
+        return SlicePlan(hift, steps, tuple(start), rng.randint(0, STEPS) if start else 0, apart)
 
     return plan
 
