@@ -98,8 +98,9 @@ class CodecProfile:
     deadline_lead_ms: float | None = None
     deadline_tokens: int = 8192
     # Streaming (design.md D39): rows' first hops solved at once, whole, in a small solve of their
-    # own queued before the steps of the solve in progress, for time to first PCM; off: a first
-    # hop waits for that solve to end and joins the next (with deadline batching a large one).
+    # own queued before the steps of the solve in progress, for time to first PCM (not while a
+    # decoding row's player is within deadline_lead_ms of running dry); off: a first hop waits
+    # for that solve to end and joins the next (with deadline batching a large one).
     first_hops_apart: bool = False
     # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with
     # the onnxruntime frontend also run its models (the GPU frontend's run on the pipeline's thread).
