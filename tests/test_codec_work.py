@@ -49,6 +49,7 @@ class _Flow:
     def __init__(self, rng, poison, p_fail, p_none):
         self.rng, self.poison, self.p_fail, self.p_none = rng, poison, p_fail, p_none
         self.released: list[str] = []
+        self.started: list[list[str]] = []  # each solve's segments, as planned
 
     def maybe_fail(self, jobs, what):
         if any(j.segment_id in self.poison for j in jobs) or (len(jobs) > 1 and self.rng.random() < self.p_fail):
@@ -58,6 +59,7 @@ class _Flow:
         if beside is not None and self.rng.random() < self.p_none:
             return None  # nothing planned beside that solve (no prefix arena yet)
         self.maybe_fail(jobs, "start")
+        self.started.append([j.segment_id for j in jobs])
         return _Solve(self, jobs)
 
     def release(self, seg):
@@ -99,6 +101,27 @@ def _drain_plan(now, lim, costs, ar_active, solve, hops, mels, ar_rows=0, ar_dea
                      tuple(h.segment_id for h in hops), STEPS)
 
 
+def _work(flow, hift, limits):
+    return codec_work.CodecWork(flow=flow, hift=hift, acct=Accounting(torch.device("cpu")), costs=CostModel(),
+                                limits=limits, device=torch.device("cpu"))
+
+
+def test_a_start_planned_beside_a_solve_apart_skips_the_segment_it_emptied(monkeypatch):
+    """The iteration the 2-core CI machine met: a solve apart pops a row's only queued hop,
+    leaving that segment's queue empty, and the start planned beside it takes the other
+    segments' heads without tripping on the emptied queue."""
+    rng = random.Random(0)
+    flow, hift = _Flow(rng, set(), p_fail=0.0, p_none=0.0), _Hift(rng, set(), p_fail=0.0)
+    work = _work(flow, hift, Limits(streaming=True, budget_ms=4.0, max_jobs=4, max_hift=4, first_apart=True))
+    for order, (seg, first) in enumerate((("f", True), ("l", False), ("m", False))):
+        work.add(codec_work.QueuedHop(SimpleNamespace(segment_id=seg, tag=order), seg, order, first, True, 100))
+    monkeypatch.setattr(codec_work.policy, "plan", lambda *a: SlicePlan((), 0, ("l", "f", "m"), 0, ("f",)))
+    assert work.run(0.0, True, lambda row: 1.0)
+    assert flow.started == [["f"], ["l", "m"]]  # "f" solved apart; the start takes what is still queued
+    assert not work.hops["f"] and work.counts["first_jobs"] == 1
+    assert [h.job.segment_id for h in work.active.hops] == ["l", "m"]
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("seed", range(40))
 def test_every_hop_comes_back_once_in_order_whatever_the_plans_and_faults(monkeypatch, streaming, seed):
@@ -109,10 +132,8 @@ def test_every_hop_comes_back_once_in_order_whatever_the_plans_and_faults(monkey
     poison_hift = {s for s in hops_of if rng.random() < 0.15} - poison_flow
     flow = _Flow(rng, poison_flow, p_fail=0.2 * rng.random(), p_none=0.3)
     hift = _Hift(rng, poison_hift, p_fail=0.2 * rng.random())
-    work = codec_work.CodecWork(flow=flow, hift=hift, acct=Accounting(torch.device("cpu")), costs=CostModel(),
-                                limits=Limits(streaming=streaming, budget_ms=4.0, max_jobs=rng.randint(1, 6),
-                                              max_hift=rng.randint(1, 6), first_apart=streaming),
-                                device=torch.device("cpu"))
+    work = _work(flow, hift, Limits(streaming=streaming, budget_ms=4.0, max_jobs=rng.randint(1, 6),
+                                    max_hift=rng.randint(1, 6), first_apart=streaming))
     tags, queued, order = {}, dict.fromkeys(hops_of, 0), 0
     got = {s: [] for s in hops_of}
     errors = {s: 0 for s in hops_of}

@@ -460,57 +460,6 @@ def test_hift_beside_waits_for_its_mels_solves_and_keeps_their_memory(monkeypatc
     assert current[0] is None and [o.row_id for o in work.take_audio()] == ["a", "b", "c"]
 
 
-def test_a_start_planned_beside_a_solve_apart_skips_the_segment_it_emptied(monkeypatch):
-    """A solve apart pops a row's only queued hop, leaving that segment's queue empty; the start
-    planned in the same iteration takes the other segments' heads and does not trip on the
-    emptied queue (an IndexError on a 2-core CI machine, where deadlines make both happen at once)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from cosybatch.scheduler import codec_work
-    from cosybatch.scheduler.accounting import Accounting
-    from cosybatch.scheduler.policy import SlicePlan
-
-    started = []
-
-    class _Solve:
-        buffers = SimpleNamespace(stride=4)
-        steps_left = 1
-
-        def __init__(self, jobs):
-            self.jobs = jobs
-
-        def step(self, n):
-            return 0
-
-        def finish(self):
-            return [torch.zeros(1, 80, 4) for _ in self.jobs]
-
-    class _Flow:
-        def start(self, jobs, beside=None):
-            started.append([j.segment_id for j in jobs])
-            return _Solve(jobs)
-
-    class _Hift:
-        def run(self, jobs):
-            return [torch.zeros(1, 1, 3) for _ in jobs]
-
-    def hop(seg, first):
-        return codec_work.QueuedHop(SimpleNamespace(segment_id=seg), seg, 0, first, True, 100)
-
-    work = codec_work.CodecWork(flow=_Flow(), hift=_Hift(), acct=Accounting(torch.device("cpu")), costs=CostModel(),
-                                limits=Limits(streaming=True, budget_ms=4.0, max_jobs=4, max_hift=4, first_apart=True),
-                                device=torch.device("cpu"))
-    for h in (hop("f", True), hop("l", False), hop("m", False)):
-        work.add(h)
-    monkeypatch.setattr(codec_work.policy, "plan", lambda *a: SlicePlan((), 0, ("l", "f", "m"), 0, ("f",)))
-    assert work.run(0.0, True, lambda row: 1.0)
-    assert started == [["f"], ["l", "m"]]  # "f" solved apart; the start takes what is still queued
-    assert not work.hops["f"] and work.counts["first_jobs"] == 1
-    assert [h.job.segment_id for h in work.active.hops] == ["l", "m"]
-
-
 # ---------------------------------------------------------------- first hops apart (design.md D39)
 
 
