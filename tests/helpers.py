@@ -1,6 +1,6 @@
-"""Helpers several test modules share: the fixture rows, draining a pipeline, the official outputs,
-running the AR engine alone and together, a mixed step's plan, a CUDA-graph stand-in and a
-record of which CUDA stream is current."""
+"""Helpers several test modules share: the fixture rows, draining a pipeline, the official outputs
+and the check against them, running the AR engine alone and together, a mixed step's plan, a
+CUDA-graph stand-in and a record of which CUDA stream is current."""
 
 import contextlib
 import json
@@ -70,6 +70,17 @@ def official(reference_dir, stream: bool) -> tuple[dict, dict]:
         for s in range(len(meta["segments"])):
             toks[(row, s)] = ref[f"{mode}.seg{s}.speech_token"].tolist()  # the flow's input
     return toks, waves
+
+
+def assert_official_chunks(chunks: dict, want: dict, tag: tuple = ()) -> None:
+    """Every fixture row gave the official chunks (``official``'s waves): as many, as long, each
+    within tests/parity.py's bounds (why SNR and a phase-tolerant max)."""
+    from parity import assert_wave_close
+
+    for row in ROWS:
+        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], (*tag, row)
+        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
+            assert_wave_close(got, w, (*tag, row, i))
 
 
 def run_together(eng: LLMEngine, reqs: list[dict], order: list[int]) -> list[list[int]]:

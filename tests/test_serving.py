@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROWS
-from helpers import FP32, drain, fixture_rows, official
+from helpers import FP32, assert_official_chunks, drain, fixture_rows, official
 from parity import assert_wave_close
 
 pytestmark = pytest.mark.numeric
@@ -68,11 +67,7 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     assert set(stages) == {"prompt", "first_tokens", "prefill", "first_decode", "first_audio", "after_tokens",
                            "decoding"}, stages
     assert all(v["p50"] >= 0 and v["mean"] >= 0 for v in stages.values()), stages
-    _, want = official(reference_dir, stream)
-    for row in ROWS:
-        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
-        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
-            assert_wave_close(got, w, (row, i))  # tests/parity.py: why SNR + a phase-tolerant max
+    assert_official_chunks(chunks, official(reference_dir, stream)[1])
 
 
 
@@ -106,11 +101,7 @@ def test_streaming_output_is_the_official_one_whatever_the_clock_says(parts, fix
     pipe.close()
     monkeypatch.undo()
     assert all(e.kind == "done" for e in ends.values())
-    _, want = official(reference_dir, True)
-    for row in ROWS:
-        assert [len(c) for c in chunks[row]] == [len(w) for w in want[row]], row
-        for i, (got, w) in enumerate(zip(chunks[row], want[row])):
-            assert_wave_close(got, w, (row, i))
+    assert_official_chunks(chunks, official(reference_dir, True)[1])
 
 
 def test_bad_row_fails_alone(parts, fixtures_dir, tmp_path):
