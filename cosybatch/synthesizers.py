@@ -234,11 +234,11 @@ def _ahead_of_rows(load) -> None:
 
 
 def _kernel_cache(clock, device: torch.device) -> list[dict]:
-    """Triton's kernel cache at start-up (design.md D37): on CUDA, whether it is cold (recorded
-    in ``clock``, said in the log, and the recorded launches then compiled ahead in helper
-    processes) and, when ``COSYBATCH_RECORD_LAUNCHES`` is set, this run's launches recorded.
-    Returns the recorded launches to preload beside the weights (a warm cache), their modules
-    imported on this thread; else []."""
+    """Triton's kernel cache at start-up (design.md D37): on CUDA, whether it is cold, partial or
+    warm (recorded in ``clock`` and said in the log; unless warm, the recorded launches not yet
+    compiled are compiled ahead in helper processes) and, when ``COSYBATCH_RECORD_LAUNCHES`` is
+    set, this run's launches recorded. Returns the recorded launches to preload beside the
+    weights (a warm cache), their modules imported on this thread; else []."""
     from cosybatch.gpu.runtime import triton_available
     from cosybatch.gpu.triton_cache import (install_recorder, kernel_cache_state, kernel_modules, load_launches,
                                             start_ahead_compile, triton_cache_dir, watch_compiles)
@@ -252,7 +252,10 @@ def _kernel_cache(clock, device: torch.device) -> list[dict]:
                     "this run starts, which compiles the rest itself as it first needs each one and is slower (on "
                     "an H200 a first 16-row job ~24 s against ~8); later runs read them from the cache",
                     triton_cache_dir())
-        start_ahead_compile(clock.kernel_cache)
+    elif clock.kernel_cache == "partial":
+        log.info("Triton's cache holds part of this version's GPU kernels (an earlier run ended before its helpers "
+                 "had compiled them all, or another version's): helper processes compile the rest while this run starts")
+    start_ahead_compile(clock.kernel_cache)
     if os.environ.get("COSYBATCH_RECORD_LAUNCHES"):  # a developer's switch: list this run's launches
         install_recorder(Path(os.environ["COSYBATCH_RECORD_LAUNCHES"]))
     if clock.kernel_cache != "warm":

@@ -581,11 +581,13 @@ def test_startup_clock_times_phases_and_the_process_before_them():
 
 def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monkeypatch):
     """``kernel_cache_state``: "cold" while Triton's cache holds none of the package's kernels
-    (an empty, missing or foreign-only cache; ``TRITON_CACHE_DIR`` is followed), "warm" once one
-    is there; the summary says when a run compiled its kernels."""
+    (an empty, missing or foreign-only cache; ``TRITON_CACHE_DIR`` is followed); "partial" once
+    one is there but the launch list's helpers did not all finish (no marker of every share of
+    one split, for this list: another list's markers do not count); "warm" when they did. The
+    summary says when a run compiled its kernels, all or some."""
     from rich.console import Console
 
-    from cosybatch.gpu.triton_cache import kernel_cache_state, triton_cache_dir
+    from cosybatch.gpu.triton_cache import done_marker, kernel_cache_state, list_digest, triton_cache_dir
     from cosybatch.run.progress import summary_table
 
     cache = tmp_path / "triton"
@@ -596,11 +598,28 @@ def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monk
     assert kernel_cache_state() == "cold"
     (cache / "BBBB").mkdir()
     (cache / "BBBB" / "_conv1d_kernel.json").write_text("{}")
+    assert kernel_cache_state() == "partial"
+    digest = list_digest()
+    assert len(digest) == 20
+    other = tmp_path / "other.json"
+    other.write_text('[{"kernel": "cosybatch.codec.triton_conv:_conv1d_kernel", "args": [], "kwargs": {}}]')
+    assert list_digest(other) not in ("", digest)
+    for i in range(3):
+        done_marker(cache, list_digest(other), i, 3).touch()  # another list compiled whole
+    done_marker(cache, digest, 0, 3).touch()
+    done_marker(cache, digest, 2, 3).touch()
+    assert kernel_cache_state() == "partial"  # share 1 of 3 not done
+    done_marker(cache, digest, 0, 2).touch()
+    assert kernel_cache_state() == "partial"  # nor a split of 2's share 1
+    done_marker(cache, digest, 1, 3).touch()
     assert kernel_cache_state() == "warm"
-    for state, shown in (("cold", True), ("warm", False)):
+    assert kernel_cache_state(path=tmp_path / "none.json") == "warm"  # no list: nothing to compile
+    for state, shown in (("cold", "compiled during this run"), ("partial", "some compiled during this run"),
+                         ("warm", None)):
         console = Console(record=True, width=120)
         console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "kernel_cache": state}}))
-        assert ("compiled during this run" in console.export_text()) == shown
+        text = console.export_text()
+        assert (shown in text) if shown else ("compiled during" not in text)
 
 
 def test_an_encoder_started_before_the_synthesizer_encodes_the_rows_of_one_that_drives_a_gpu(tmp_path):

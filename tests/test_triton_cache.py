@@ -222,9 +222,11 @@ def test_the_compile_watch_tells_a_compile_in_the_run_from_a_read_of_the_cache(t
     assert run("preload")["log"] == []  # preloaded (a warm-up, not listed): the launch found it in memory
 
 
-def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_end(tmp_path, monkeypatch):
-    """Helper processes start on a cold cache with a list, one process of a machine at a time
-    (a marker in the cache, taken over when older than ``CLAIM_S``), skip a stale entry and end."""
+def test_ahead_compile_runs_unless_the_cache_is_warm_and_each_helper_marks_its_share_done(tmp_path, monkeypatch):
+    """Helper processes start on a cold or partial cache with a list, one process of a machine at
+    a time (a marker in the cache, taken over when older than ``CLAIM_S``), skip a stale entry,
+    leave their share's marker and end; on a partial cache only the shares without a marker
+    start again, and once every share has one the cache is warm."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     listing = tmp_path / "list.json"
     assert T.start_ahead_compile("cold", listing) is None  # no list
@@ -245,11 +247,25 @@ def test_ahead_compile_runs_only_on_a_cold_cache_with_a_list_and_its_processes_e
     ahead.stop()
     ahead.stop()
     assert ahead.procs == []
+    cache, digest = tmp_path / "cache", T.list_digest(listing)
+    assert T.done_marker(cache, digest, 0, 2).exists() and T.done_marker(cache, digest, 1, 2).exists()
+    assert T.compiled_ahead(cache, listing)
+    marker.unlink(missing_ok=True)
+    assert T.start_ahead_compile("partial", listing, workers=2) is None  # nothing left to compile
+    T.done_marker(cache, digest, 1, 2).unlink()
+    assert not T.compiled_ahead(cache, listing)
+    marker.unlink(missing_ok=True)
+    rest = T.start_ahead_compile("partial", listing, workers=2)
+    assert rest is not None and len(rest.procs) == 1 and rest.procs[0].args[-2:] == ["1", "2"]
+    rest.procs[0].wait(timeout=120)
+    rest.stop()
+    assert T.compiled_ahead(cache, listing)
 
 
-def test_start_up_marks_a_cold_cache_compiles_ahead_and_preloads_only_a_warm_one(tmp_path, monkeypatch, caplog):
-    """``synthesizers._kernel_cache``: on CUDA, a cold cache is recorded, logged and handed to
-    the compiling helpers (nothing to preload); a warm one returns the launch list to preload."""
+def test_start_up_marks_the_cache_compiles_ahead_unless_warm_and_preloads_only_a_warm_one(tmp_path, monkeypatch, caplog):
+    """``synthesizers._kernel_cache``: on CUDA, a cold or partial cache is recorded, logged and
+    handed to the compiling helpers (nothing to preload); a warm one returns the launch list to
+    preload (``start_ahead_compile`` then starts nothing)."""
     import cosybatch.gpu.runtime as runtime
     from cosybatch import synthesizers
     from cosybatch.scheduler.startup import StartupClock
@@ -268,8 +284,14 @@ def test_start_up_marks_a_cold_cache_compiles_ahead_and_preloads_only_a_warm_one
     assert clock.kernel_cache == "cold" and started == ["cold"] and "holds no GPU kernel" in caplog.text
     (tmp_path / "X").mkdir()
     (tmp_path / "X" / "_matmul_kernel.json").write_text("{}")
+    monkeypatch.setattr(T, "compiled_ahead", lambda cache=None, path=None: False)
+    with caplog.at_level("INFO"):
+        assert synthesizers._kernel_cache(clock, torch.device("cuda")) == []  # partial: compiled ahead, not preloaded
+    assert clock.kernel_cache == "partial" and started == ["cold", "partial"] and "compile the rest" in caplog.text
+    monkeypatch.setattr(T, "compiled_ahead", lambda cache=None, path=None: True)
     assert synthesizers._kernel_cache(clock, torch.device("cuda")) == listing
-    assert clock.kernel_cache == "warm" and started == ["cold"] and clock.as_dict()["kernel_cache"] == "warm"
+    assert clock.kernel_cache == "warm" and started == ["cold", "partial", "warm"]
+    assert clock.as_dict()["kernel_cache"] == "warm"
 
 
 # On a GPU, with the Triton it has: record a real launch, compile it ahead into an empty cache in

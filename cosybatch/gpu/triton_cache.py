@@ -14,6 +14,7 @@ these arguments as from a real launch's, and a run then finds the compiled kerne
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib
 import json
 import logging
@@ -35,6 +36,9 @@ KERNELS_SEEN = ("_conv1d_kernel", "_chunk_attn_kernel", "_matmul_kernel")
 LAUNCHES = Path(__file__).with_name("triton_launches.json")
 # The marker of the one process of a machine compiling ahead, and when one is taken as stale
 CLAIM_NAME, CLAIM_S = ".cosybatch-compiling-ahead", 600.0
+# What a helper leaves in the cache once its share of a launch list is compiled (``done_marker``):
+# a run's exit kills unfinished helpers, so a cache can hold part of the list
+DONE_PREFIX = ".cosybatch-compiled-"
 
 
 def triton_cache_dir() -> Path:
@@ -42,18 +46,72 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
-def kernel_cache_state(cache: Path | None = None) -> str:
+def kernel_cache_state(cache: Path | None = None, path: Path | None = None) -> str:
     """"cold" when Triton's cache holds none of ``KERNELS_SEEN`` (a first run on this machine,
-    or a cleared cache), else "warm". An older version's kernels count as warm: this tells a
-    first run apart, not every recompile."""
+    or a cleared cache); "warm" when it also holds the launch list (``path``, the shipped one by
+    default) compiled ahead whole, every share's helper done (``compiled_ahead``); else
+    "partial": some kernels are there (an earlier run's, one whose helpers its exit ended, or
+    another version's), the rest of the list is compiled ahead again."""
     cache = cache or triton_cache_dir()
     try:
-        for entry in os.scandir(cache):
-            if entry.is_dir() and any(os.path.exists(os.path.join(entry.path, f"{k}.json")) for k in KERNELS_SEEN):
-                return "warm"
+        seen = any(entry.is_dir() and any(os.path.exists(os.path.join(entry.path, f"{k}.json")) for k in KERNELS_SEEN)
+                   for entry in os.scandir(cache))
     except OSError:
+        seen = False
+    if not seen:
+        return "cold"
+    return "warm" if compiled_ahead(cache, path) else "partial"
+
+
+def list_digest(path: Path | None = None) -> str:
+    """What compiling a launch list ahead depends on: the list, Triton's version and the source of
+    each module its kernels live in (an edit there changes their cache keys); "" without a list."""
+    path = path or LAUNCHES
+    try:
+        listing = path.read_bytes()
+    except OSError:
+        return ""
+    h = hashlib.sha256(listing)
+    try:
+        import triton
+
+        h.update(triton.__version__.encode())
+    except ImportError:
         pass
-    return "cold"
+    root = Path(__file__).resolve().parents[1]  # the package: its modules are files under it
+    for name in kernel_modules(load_launches(path)):
+        parts = name.split(".")
+        if parts[0] == root.name:
+            try:
+                h.update(root.joinpath(*parts[1:]).with_suffix(".py").read_bytes())
+            except OSError:
+                pass
+    return h.hexdigest()[:20]
+
+
+def done_marker(cache: Path, digest: str, share: int, shares: int) -> Path:
+    return cache / f"{DONE_PREFIX}{digest}-{share}-of-{shares}"
+
+
+def compiled_ahead(cache: Path | None = None, path: Path | None = None) -> bool:
+    """Whether every share of some split of the launch list left its ``done_marker`` in the
+    cache (true of no list: nothing to compile)."""
+    cache, digest = cache or triton_cache_dir(), list_digest(path)
+    if not digest:
+        return True
+    shares: dict[int, set[int]] = {}
+    try:
+        names = os.listdir(cache)
+    except OSError:
+        return False
+    for name in names:
+        if name.startswith(f"{DONE_PREFIX}{digest}-"):
+            try:
+                share, _, n = name.removeprefix(f"{DONE_PREFIX}{digest}-").split("-")
+                shares.setdefault(int(n), set()).add(int(share))
+            except ValueError:
+                continue
+    return any(got >= set(range(n)) for n, got in shares.items())
 
 
 # ------------------------------------------------------------------ recording
@@ -327,15 +385,15 @@ def load_launches(path: Path | None = None) -> list[dict]:
 class AheadCompile:
     """Helper processes that compile a launch list into Triton's cache while this process starts
     up and runs (each its own share: compiling holds a process's GIL, so threads would not run
-    it in parallel, and here it would hold the GPU thread's). They end when done, or are
-    killed by ``stop`` (this process's exit): a kernel half-compiled is never in the cache,
-    whose entries Triton writes whole."""
+    it in parallel, and here it would hold the GPU thread's). Each leaves its ``done_marker``
+    when its share is compiled, and ends; ``stop`` (this process's exit) kills those still
+    going: a kernel half-compiled is never in the cache, whose entries Triton writes whole, and
+    the next run compiles the shares left."""
 
-    def __init__(self, path: Path, n_records: int, workers: int):
+    def __init__(self, path: Path, shares: int, todo: list[int]):
         self.procs: list[subprocess.Popen] = []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        shares = min(workers, n_records)
-        for i in range(shares):
+        for i in todo:
             try:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(path), str(i), str(shares)], env=env,
                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -377,21 +435,39 @@ def _claim(cache: Path) -> bool:
 
 
 def start_ahead_compile(cache_state: str, path: Path | None = None, workers: int | None = None) -> AheadCompile | None:
-    """On a cold cache with a launch list (the shipped one by default), start compiling it
-    ahead (``AheadCompile``, half the CPUs' worth of processes, at most 8)."""
-    if cache_state != "cold":
+    """Unless the cache is warm, with a launch list (the shipped one by default), start compiling
+    it ahead (``AheadCompile``, half the CPUs' worth of processes, at most 8): every share on a
+    cold cache, on a partial one those whose helper left no ``done_marker``."""
+    if cache_state == "warm":
         return None
     path = path or LAUNCHES
     n = len(load_launches(path))
     if not n:
         return None
-    if not _claim(triton_cache_dir()):
+    cache = triton_cache_dir()
+    if not _claim(cache):
         log.info("another process compiles this package's GPU kernels ahead")
         return None
-    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
-    log.info("compiling %d recorded GPU kernel variants ahead in %d helper processes", n, min(workers, n))
-    return AheadCompile(path, n, workers)
+    shares = min(n, workers or max(1, min(8, (os.cpu_count() or 2) // 2)))
+    todo = list(range(shares))
+    if cache_state == "partial":
+        digest = list_digest(path)
+        todo = [i for i in todo if not done_marker(cache, digest, i, shares).exists()]
+    if not todo:
+        return None
+    log.info("compiling %d recorded GPU kernel variants ahead in %d helper processes", n, len(todo))
+    return AheadCompile(path, shares, todo)
+
+
+def _compile_share(path: Path, share: int, shares: int) -> None:
+    """One helper's work: its share of the list compiled, then its marker left (a failed entry
+    included: compiling it again would fail again; the run compiles that variant itself)."""
+    precompile(load_launches(path), share, shares)
+    try:
+        done_marker(triton_cache_dir(), list_digest(path), share, shares).touch()
+    except OSError as e:  # a read-only cache: the next run's helpers find the list compiled and end
+        log.debug("cannot mark share %d of %d compiled: %s", share, shares, e)
 
 
 if __name__ == "__main__":  # one AheadCompile process: python -m cosybatch.gpu.triton_cache LIST SHARE SHARES
-    precompile(load_launches(Path(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
+    _compile_share(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -116,8 +116,10 @@ def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Tab
     startup = (totals.get("startup") or {}).get("total_s")
     if startup is not None:
         t.add_row("start-up before the first row (s)", _fmt_s(startup))
-    if (totals.get("startup") or {}).get("kernel_cache") == "cold":
-        t.add_row("GPU kernels", "compiled during this run (a first run on this machine: slower)")
+    cache = (totals.get("startup") or {}).get("kernel_cache")
+    if cache in ("cold", "partial"):
+        t.add_row("GPU kernels", "compiled during this run (a first run on this machine: slower)" if cache == "cold"
+                  else "some compiled during this run (an earlier run ended before all were: slower)")
     if (totals.get("startup") or {}).get("bytecode") == "missing":
         t.add_row("Python imports", "compiled from source, as every run will (see the log)")
     this = totals.get("this_run")

@@ -60,8 +60,8 @@ class StartupClock:
         self.device = device
         self.phases: dict[str, float] = {}
         self.parallel_parts: dict[str, dict[str, float]] = {}  # a parallel phase -> its parts' times
-        # "cold" or "warm" on CUDA (gpu.triton_cache.kernel_cache_state): whether the run's figures
-        # include compiling the GPU kernels
+        # "cold", "partial" or "warm" on CUDA (gpu.triton_cache.kernel_cache_state): whether the
+        # run's figures include compiling the GPU kernels (all, some, none of the launch list's)
         self.kernel_cache: str | None = None
         age = process_age_s()
         # "missing": this run's imports compiled torch's source, as every later run's will
