@@ -614,7 +614,7 @@ def test_a_first_run_on_a_machine_is_told_apart_by_triton_s_cache(tmp_path, monk
     done_marker(cache, digest, 1, 3).touch()
     assert kernel_cache_state() == "warm"
     assert kernel_cache_state(path=tmp_path / "none.json") == "warm"  # no list: nothing to compile
-    for state, shown in (("cold", "compiled during this run"), ("partial", "some compiled during this run"),
+    for state, shown in (("cold", "compiled during this run"), ("partial", "the rest compiled beside this run"),
                          ("warm", None)):
         console = Console(record=True, width=120)
         console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "kernel_cache": state}}))

@@ -119,7 +119,7 @@ def summary_table(totals: dict[str, Any], title: str = "cosybatch synth") -> Tab
     cache = (totals.get("startup") or {}).get("kernel_cache")
     if cache in ("cold", "partial"):
         t.add_row("GPU kernels", "compiled during this run (a first run on this machine: slower)" if cache == "cold"
-                  else "some compiled during this run (an earlier run ended before all were: slower)")
+                  else "the rest compiled beside this run (an earlier one ended first): may be slower")
     if (totals.get("startup") or {}).get("bytecode") == "missing":
         t.add_row("Python imports", "compiled from source, as every run will (see the log)")
     this = totals.get("this_run")
