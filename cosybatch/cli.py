@@ -30,6 +30,12 @@ _SIGINT_BEFORE = signal.getsignal(signal.SIGINT)
 if threading.current_thread() is threading.main_thread() and _SIGINT_BEFORE is signal.default_int_handler:
     signal.signal(signal.SIGINT, _exit_130_now)
 
+# Where an image has every run compile torch's source again, its bytecode is kept in a cache
+# folder from here on (run/bytecode.py): before the imports below, which it speeds up
+from cosybatch.run.bytecode import keep_bytecode  # noqa: E402
+
+keep_bytecode()
+
 import atexit  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402

@@ -15,7 +15,9 @@
 #        with DIR's package and script: `git archive C cosybatch scripts`; design.md D40's before/after)
 #        cold16 (startup16 with an empty Triton cache: what a first run on a machine waits for),
 #        bytecode:STEP (STEP with Python's bytecode kept under /tmp/pycache, where the image sets
-#        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`),
+#        PYTHONDONTWRITEBYTECODE: its first run writes it; e.g. `bytecode:startup16 startup16 bytecode:startup16`;
+#        the command now keeps it itself under ~/.cache/cosybatch/pycache, so the A/B is
+#        `startup16 nopyc:startup16`: nopyc:STEP is STEP with COSYBATCH_PYCACHE=off),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
 #        firsthop (the GPU tests of codec.first_hops_apart, design.md D39: then
@@ -240,6 +242,8 @@ for step in "$@"; do
       ( export TRITON_CACHE_DIR=/tmp/triton-cold-$RANDOM; synth_run cold16 $WL/m16.lst ) ;;
     bytecode:*) echo "-- ${step#bytecode:} with bytecode kept (PYTHONPYCACHEPREFIX=/tmp/pycache, design.md D38):" >> "$OUT/summary.txt"
       PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/pycache OUT=$OUT bash "$0" "${step#bytecode:}" ;;
+    nopyc:*) echo "-- ${step#nopyc:} with COSYBATCH_PYCACHE=off (every import compiled again where the image keeps no bytecode, D38):" >> "$OUT/summary.txt"
+      COSYBATCH_PYCACHE=off OUT=$OUT bash "$0" "${step#nopyc:}" ;;
     nolist:*) L=cosybatch/gpu/triton_launches.json  # a step without the shipped launch list (D37's A/B)
       [ -f $L ] && mv $L /tmp/launches.json; OUT=$OUT bash "$0" "${step#nolist:}"; [ -f /tmp/launches.json ] && mv /tmp/launches.json $L ;;
     cachetests) log "pytest -m gpu tests/test_triton_cache.py (a launch compiled ahead or preloaded is the one a run finds)"

@@ -691,3 +691,71 @@ def test_a_run_whose_imports_compile_source_every_time_is_told(tmp_path, monkeyp
         console = Console(record=True, width=120)
         console.print(summary_table({"ok": 1, "startup": {"total_s": 1.0, "bytecode": state}}))
         assert ("compiled from source" in console.export_text()) == shown
+
+
+def test_the_command_keeps_bytecode_in_a_cache_folder_where_every_run_would_compile_torch_again(tmp_path, monkeypatch):
+    """``run.bytecode.keep_bytecode``: where the probed package has no bytecode beside its source
+    and this process would write none (``PYTHONDONTWRITEBYTECODE``, or a read-only folder), every
+    later import keeps its bytecode under ``COSYBATCH_PYCACHE`` (else the user's cache folder),
+    and so do child processes; nothing changes where bytecode is installed, where this process
+    writes it beside the source, under a ``PYTHONPYCACHEPREFIX`` of the user's, or with
+    ``COSYBATCH_PYCACHE=off``."""
+    import importlib
+    import py_compile
+    import subprocess
+    import sys
+
+    from cosybatch.run.bytecode import default_folder, keep_bytecode
+
+    pkg = tmp_path / "src" / "cb_keep_probe"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    kept = tmp_path / "kept"
+
+    assert keep_bytecode({"COSYBATCH_PYCACHE": "off"}, "cb_keep_probe") is None and sys.pycache_prefix is None
+    assert default_folder({"XDG_CACHE_HOME": str(tmp_path / "xdg")}) == tmp_path / "xdg" / "cosybatch" / "pycache"
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # this run writes it beside the source
+    assert keep_bytecode({"COSYBATCH_PYCACHE": str(kept)}, "cb_keep_probe") is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert keep_bytecode({"COSYBATCH_PYCACHE": str(kept)}, "cb_keep_probe") == kept
+    assert sys.pycache_prefix == str(kept) and not sys.dont_write_bytecode
+    assert os.environ["PYTHONPYCACHEPREFIX"] == str(kept) and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    importlib.import_module("cb_keep_probe")
+    monkeypatch.delitem(sys.modules, "cb_keep_probe")
+    assert list(kept.rglob("cb_keep_probe/__init__*.pyc")) and not (pkg / "__pycache__").exists()
+    assert keep_bytecode({"COSYBATCH_PYCACHE": str(tmp_path / "other")}, "cb_keep_probe") is None  # a prefix is set
+    # a child process of the command's reads and writes there too
+    probe = "import sys, cb_keep_probe; print(sys.pycache_prefix, sys.flags.dont_write_bytecode)"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path / "src")})
+    assert child.stdout.split() == [str(kept), "0"], child.stderr
+
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    py_compile.compile(str(pkg / "__init__.py"), cfile=importlib.util.cache_from_source(str(pkg / "__init__.py")))
+    assert keep_bytecode({"COSYBATCH_PYCACHE": str(tmp_path / "third")}, "cb_keep_probe") is None  # installed
+    assert not (tmp_path / "third").exists()
+
+
+def test_the_command_module_keeps_bytecode_before_its_heavy_imports():
+    """``cosybatch.cli`` calls ``keep_bytecode`` at import, before click, numpy and the rest: a
+    fresh interpreter that imports it with ``PYTHONDONTWRITEBYTECODE`` set and torch's bytecode
+    missing would otherwise compile them all (checked here by the order of its statements)."""
+    import ast
+    import inspect
+
+    import cosybatch.cli as cli
+
+    body = ast.parse(inspect.getsource(cli)).body
+    call = next(i for i, n in enumerate(body) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                and getattr(n.value.func, "id", None) == "keep_bytecode")
+    first_heavy = next(i for i, n in enumerate(body) if isinstance(n, (ast.Import, ast.ImportFrom))
+                       and any(a.name in ("click", "numpy", "torch") for a in n.names)
+                       or isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("cosybatch.manifest", "cosybatch.output")))
+    assert call < first_heavy

@@ -70,8 +70,9 @@ class StartupClock:
         if self.bytecode == "missing" and not _told_bytecode:
             _told_bytecode = True
             log.warning("torch's Python bytecode is not installed and was not written (%s): every run compiles its "
-                        "source again (this one's start and imports: %.1f s); unset PYTHONDONTWRITEBYTECODE and set "
-                        "PYTHONPYCACHEPREFIX to a writable folder to keep it",
+                        "source again (this one's start and imports: %.1f s); the cosybatch command keeps it in a "
+                        "cache folder unless COSYBATCH_PYCACHE=off or the folder is not writable (set COSYBATCH_PYCACHE "
+                        "or PYTHONPYCACHEPREFIX to a writable one)",
                         "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "its folder is not writable",
                         age or 0.0)
         if age is not None:
