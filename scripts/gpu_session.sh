@@ -3,7 +3,7 @@
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
 # steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof fuseprof layerparts hiftprof hift frontend c32 c32host c32warm
-#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes syncaudit enginetests prefill
+#        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes coldops syncaudit enginetests prefill
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
 #        synthwarm (synth over 128 rows: fills Triton's kernel cache, which the first run of a fresh
@@ -186,6 +186,9 @@ for step in "$@"; do
     coldshapes) setup; log "profile_cold_shapes: eager HiFT call and frontend launch at a new shape, then again"
       timeout 200 python3 scripts/profile_cold_shapes.py --model-dir $CKPT --json "$OUT/cold_shapes.json" 2>&1 \
         | tee "$OUT/cold_shapes.txt" | tail -12 ;;
+    coldops) setup; log "profile_cold_shapes --host-ops: a frontend launch at a new shape, then again, its costliest host ops (what the first sight pays for)"
+      timeout 200 python3 scripts/profile_cold_shapes.py --model-dir $CKPT --shapes 17x5.0,32x6.0 --host-ops 14 \
+        --json "$OUT/cold_ops.json" 2>&1 | tee "$OUT/cold_ops.txt" | grep -v "^hift" | tail -40 ;;
     hift) log "bench_hift"
       timeout 300 python3 scripts/bench_hift.py --batched-only --out "$OUT/bench_hift.json" 2>&1 | tee "$OUT/bench_hift.txt" | tail -20 ;;
     frontend) setup; log "bench_frontend"

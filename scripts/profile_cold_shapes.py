@@ -6,6 +6,10 @@ an execution plan for every new convolution shape, and full-mode batches rarely 
 This times, for each (rows, seconds) shape, the first eager call (cold) and a second call of
 the same shape (warm): host milliseconds until the call returns (its work queued) and GPU
 milliseconds between events around it. Cold host time far above warm confirms it.
+``--host-ops N``: each frontend launch also under the torch profiler (host side: aten ops and
+CUDA runtime calls), its N costliest by self host time, cold beside warm: what the first sight
+of a shape pays for (cuDNN's plans inside the conv ops, ``cudaMalloc`` as the caching allocator
+grows, cuFFT's plans inside ``stft``); the profiler adds its own cost to both calls alike.
 
   python scripts/profile_cold_shapes.py --model-dir /tmp/ckpt-full --shapes 19x5.1,20x5.3,8x6.0 --json out.json
 """
@@ -52,6 +56,28 @@ def _timed(fn, dev) -> tuple[float, float]:
     return host, e0.elapsed_time(e1)
 
 
+def _profiled(fn, dev) -> tuple[tuple[float, float], dict[str, tuple[float, int]]]:
+    """``_timed`` under the torch profiler's host side: (times, {op or runtime call: (self host
+    ms, calls)})."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        times = _timed(fn, dev)
+    ops = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+    return times, ops
+
+
+def _print_ops(ops: dict, n: int, title: str) -> None:
+    """The ``n`` ops the cold call spent most self host time in, beside the warm call's."""
+    cold, warm = ops["cold"], ops["warm"]
+    print(f"  host ops of {title}: self ms (calls), cold | warm; total {sum(v[0] for v in cold.values()):.1f} | "
+          f"{sum(v[0] for v in warm.values()):.1f}")
+    for key, (ms, calls) in sorted(cold.items(), key=lambda kv: -kv[1][0])[:n]:
+        w_ms, w_calls = warm.get(key, (0.0, 0))
+        print(f"    {key[:48]:<48} {ms:8.2f} ({calls:4d}) | {w_ms:8.2f} ({w_calls:4d})")
+
+
 def hift_calls(rows: int, seconds: float, tag: str, dev) -> list[HiftJob]:
     """A full-mode batch: ``rows`` whole rows, lengths spread +-10 % around ``seconds``."""
     g = torch.Generator().manual_seed(rows * 1000 + int(seconds * 10))
@@ -69,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny HiFT (a smoke test of the script)")
+    ap.add_argument("--host-ops", type=int, default=0, metavar="N",
+                    help="list each frontend launch's N costliest host ops, cold and warm (torch profiler)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     shapes = [(int(r), float(s)) for r, s in (x.split("x") for x in a.shapes.split(","))]
@@ -92,11 +120,18 @@ def main(argv=None) -> int:
         pending = []  # launched frontend work, read after the timing (reading it waits for the GPU)
         for what, call in (("hift", lambda tag: hift.run(jobs[tag])),
                            ("frontend", lambda tag: pending.append(front.launch_features(prompts[tag])))):
+            ops = {}
             with torch.inference_mode():
-                cold = _timed(lambda: call("cold"), dev)
-                warm = _timed(lambda: call("warm"), dev)
+                if what == "frontend" and a.host_ops:
+                    cold, ops["cold"] = _profiled(lambda: call("cold"), dev)
+                    warm, ops["warm"] = _profiled(lambda: call("warm"), dev)
+                else:
+                    cold = _timed(lambda: call("cold"), dev)
+                    warm = _timed(lambda: call("warm"), dev)
                 for p in pending:
                     p.result()
+            if ops:
+                _print_ops(ops, a.host_ops, f"{what} {n} rows x {sec:g} s")
             r = {"part": what, "rows": n, "seconds": sec, "cold_host_ms": cold[0], "cold_gpu_ms": cold[1],
                  "warm_host_ms": warm[0], "warm_gpu_ms": warm[1]}
             rows.append(r)
