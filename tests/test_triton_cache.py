@@ -285,7 +285,7 @@ def test_start_up_marks_the_cache_compiles_ahead_unless_warm_and_preloads_only_a
     (tmp_path / "X").mkdir()
     (tmp_path / "X" / "_matmul_kernel.json").write_text("{}")
     monkeypatch.setattr(T, "compiled_ahead", lambda cache=None, path=None: False)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger=synthesizers.log.name):  # (a CLI test before may have set its level)
         assert synthesizers._kernel_cache(clock, torch.device("cuda")) == []  # partial: compiled ahead, not preloaded
     assert clock.kernel_cache == "partial" and started == ["cold", "partial"] and "compile the rest" in caplog.text
     monkeypatch.setattr(T, "compiled_ahead", lambda cache=None, path=None: True)
