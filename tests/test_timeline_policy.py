@@ -531,3 +531,49 @@ def test_with_the_ar_engine_idle_a_solve_stays_within_the_graphs_captured_at_sta
     # with the AR engine busy the usual 1.5 x target applies, whatever the bound
     assert len(plan(1.0, bounded, costs, True, None, ready, []).start) == 10  # 10 x 1,200 <= 12,288
     assert len(pick_jobs([hop("big", 0, tokens=40000)], bounded, costs, False)) == 1  # always one hop
+
+
+def test_first_hops_lead_a_solve_of_the_usual_size_when_set():
+    """``first_lead`` (``codec.first_hops_lead``): the solve made apart takes the first hops and
+    then the other ready hops, up to the size a solve is made to; without it, the first hops alone."""
+    costs = Costs(flow_step_ms_per_token=1e-3, flow_step_ms=1.0, hift_ms_per_frame=1e-2, hift_ms=0.0)
+    base = dict(streaming=True, budget_ms=4.0, max_jobs=64, max_hift=64, deadline_lead_s=0.5, deadline_tokens=4000,
+                first_apart=True)
+    running = Solve(tokens=6000, steps_left=6, deadline=INF)
+    later = [hop(f"l{i}", i, first=False, deadline=5.0, tokens=1000) for i in range(8)]
+    firsts = [hop("f1", 20, first=True, tokens=700), hop("f2", 21, first=True, tokens=700)]
+    alone = plan(1.0, Limits(**base), costs, True, running, later + firsts, [])
+    assert set(alone.apart) == {"f1", "f2"}
+    lead = plan(1.0, Limits(**base, first_lead=True), costs, True, running, later + firsts, [])
+    assert lead.apart[:2] == ("f1", "f2") and len(lead.apart) > 2
+    picked = {h.segment_id: h.tokens for h in later + firsts if h.segment_id in lead.apart}
+    assert sum(picked.values()) <= 4000 < sum(picked.values()) + 1000  # filled to deadline batching's size
+    assert not set(lead.apart) & set(lead.start)
+    # no first hop ready: nothing is made apart, with or without it
+    assert plan(1.0, Limits(**base, first_lead=True), costs, True, running, later, []).apart == ()
+
+
+@pytest.mark.parametrize("concurrency,ar_ms", [(32, 1.9), (64, 2.3)])
+def test_first_hops_leading_a_full_solve_bring_first_audio_sooner_at_no_cost_in_a_simulated_run(concurrency, ar_ms):
+    """The same simulated runs as above: a first hop apart waits neither for the solve in
+    progress nor behind the next large one, but alone its solves are small and the others
+    shrink (measured on the H200: 3,300 against 5,800 tokens per Euler step at C32, -14 %
+    throughput). Leading a solve of the usual size keeps the solves' size and the wall time."""
+    import random
+    import statistics
+
+    from timeline_sim import simulate
+
+    rng = random.Random(0)
+    lengths = [rng.randint(150, 600) for _ in range(400 if concurrency == 64 else 200)]
+    costs = Costs(flow_step_ms_per_token=2e-3, flow_step_ms=1.0, hift_ms_per_frame=5e-3, hift_ms=1.0)
+    base = dict(streaming=True, budget_ms=4.0, max_jobs=concurrency, max_hift=concurrency, ar_capacity=concurrency,
+                deadline_lead_s=0.5, deadline_tokens=8192)
+    usual = simulate(Limits(**base), costs, lengths, concurrency=concurrency, ar_ms=ar_ms)
+    lead = simulate(Limits(**base, first_apart=True, first_lead=True), costs, lengths, concurrency=concurrency,
+                    ar_ms=ar_ms)
+    assert statistics.median(lead.first_audio_s) < 0.9 * statistics.median(usual.first_audio_s)
+    assert math.isclose(lead.audio_s, usual.audio_s)
+    assert lead.underrun_rows == usual.underrun_rows == 0
+    assert lead.wall_s < 1.01 * usual.wall_s
+    assert lead.tokens_per_step > 0.9 * usual.tokens_per_step
