@@ -719,6 +719,14 @@ def test_the_command_keeps_bytecode_in_a_cache_folder_where_every_run_would_comp
     kept = tmp_path / "kept"
 
     assert keep_bytecode({"COSYBATCH_PYCACHE": "off"}, "cb_keep_probe") is None and sys.pycache_prefix is None
+    (tmp_path / "a_file").write_text("")
+    assert keep_bytecode({"COSYBATCH_PYCACHE": str(tmp_path / "a_file" / "sub")}, "cb_keep_probe") is None  # no folder
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "home", classmethod(no_home))
+        assert keep_bytecode({}, "cb_keep_probe") is None and sys.pycache_prefix is None  # nowhere to keep it
     assert default_folder({"XDG_CACHE_HOME": str(tmp_path / "xdg")}) == tmp_path / "xdg" / "cosybatch" / "pycache"
     monkeypatch.setattr(sys, "dont_write_bytecode", False)  # this run writes it beside the source
     assert keep_bytecode({"COSYBATCH_PYCACHE": str(kept)}, "cb_keep_probe") is None
