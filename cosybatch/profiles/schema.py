@@ -104,7 +104,7 @@ class CodecProfile:
     first_hops_apart: bool = False
     # With first_hops_apart: the solve made apart also takes the other ready hops, the first
     # hops first, up to the usual solve size, instead of the first hops alone, so that solves
-    # stay as large as without it (design.md D39: apart, the solves in progress shrank and the
+    # stay nearer their usual size (design.md D39: apart, the solves in progress shrank and the
     # flow lost 8 % of its rate).
     first_hops_lead: bool = False
     # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with

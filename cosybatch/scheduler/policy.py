@@ -266,7 +266,7 @@ def first_hops_apart(now: float, lim: Limits, costs: Costs, solve: Solve | None,
     ``urgent_s``) of audio left: its next chunk still needs AR steps, which a solve apart delays
     (``ar_deadline``: the earliest deadline among those rows). With ``first_lead`` the first
     hops lead a solve of the usual size, the other ready hops filling it: they still start at
-    once, and the solves stay as large as in the usual order."""
+    once, and the solves stay nearer their usual size."""
     if not (lim.streaming and lim.first_apart) or (solve is not None and solve.deadline - now <= lim.urgent_s):
         return []
     if ar_deadline - now <= (lim.deadline_lead_s if lim.deadline_lead_s is not None else lim.urgent_s):
