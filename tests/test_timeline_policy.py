@@ -558,7 +558,8 @@ def test_first_hops_leading_a_full_solve_bring_first_audio_sooner_at_no_cost_in_
     """The same simulated runs as above: a first hop apart waits neither for the solve in
     progress nor behind the next large one, but alone its solves are small and the others
     shrink (measured on the H200: 3,300 against 5,800 tokens per Euler step at C32, -14 %
-    throughput). Leading a solve of the usual size keeps the solves' size and the wall time."""
+    throughput). Leading a solve of the usual size keeps, in these runs, the solves' size and the
+    wall time (a wider sweep, design.md D39, is less even)."""
     import random
     import statistics
 
