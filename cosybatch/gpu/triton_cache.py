@@ -79,7 +79,7 @@ def list_digest(path: Path | None = None) -> str:
     except ImportError:
         pass
     root = Path(__file__).resolve().parents[1]  # the package: its modules are files under it
-    for name in kernel_modules(load_launches(path)):
+    for name in kernel_modules(_records(listing)):
         parts = name.split(".")
         if parts[0] == root.name:
             try:
@@ -376,8 +376,16 @@ def load_launches(path: Path | None = None) -> list[dict]:
     """A recorded launch list (the shipped one by default; [] when there is none or it does not
     parse)."""
     try:
-        records = json.loads((path or LAUNCHES).read_text())
-    except (OSError, ValueError):
+        return _records((path or LAUNCHES).read_bytes())
+    except OSError:
+        return []
+
+
+def _records(listing: bytes) -> list[dict]:
+    """A launch list's entries from its file's bytes ([] when they do not parse as one)."""
+    try:
+        records = json.loads(listing)
+    except ValueError:
         return []
     return records if isinstance(records, list) else []
 
