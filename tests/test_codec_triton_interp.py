@@ -272,3 +272,44 @@ def test_hift_triton_decode_is_the_modules_decode(tf32):
         assert torch.isfinite(short).all() and not torch.equal(short[1, :, -64:], got[1, :, -64:])
         return
     assert rel_rms(got, want) <= 4e-4 and rel_rms(got, plain) >= 4e-4
+
+
+def test_hift_triton_decode_launches_only_aligned_tensors(monkeypatch):
+    """Triton compiles one variant of a kernel per pointer alignment (a 16-byte boundary or
+    not), and the launch list compiled ahead of a run holds aligned launches only: HiftRunner
+    hands the decode a row of its [3, B] int64 table as ``valid``, 8 bytes off that boundary for
+    an odd B. The decode launches every conv with aligned tensors all the same (else each conv's
+    unaligned variant is compiled inside a first run's window), and ``valid`` still counts."""
+    from cosybatch.codec import triton_conv as C
+    from cosybatch.codec.hift_convs import TritonConvDecode
+
+    offsets = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                offsets.extend(a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor))
+                return launch(*args, **kwargs)
+            return run
+
+    for name in ("_conv1d_kernel", "_snake_kernel"):
+        monkeypatch.setattr(C, name, Spy(getattr(C, name)))
+    hift = _narrow_hift()
+    frames = 4
+    mel = torch.randn(1, 80, frames)
+    s_stft = torch.randn(1, hift.cfg.n_fft + 2, frames * hift.up_total + 1)
+    ints = torch.tensor([[0], [1], [0]])  # one row, one valid frame
+    assert ints[1].data_ptr() % 16  # the case: the table's second row off the boundary
+    decode = TritonConvDecode(hift)
+    with torch.inference_mode():
+        got = decode.decode_spec(mel, s_stft, ints[1])
+        offsets_valid = list(offsets)
+        full = decode.decode_spec(mel, s_stft)
+    assert offsets_valid and set(offsets_valid) == {0}
+    keep = hift.up_total + 1  # up to the valid frame's spectrum the decode's, past the margin skipped
+    assert torch.equal(got[..., :keep], full[..., :keep]) and not torch.equal(got[..., -64:], full[..., -64:])

@@ -46,6 +46,28 @@ def test_a_launch_is_recorded_by_what_its_compiled_variant_depends_on():
     assert T.launch_record(k, (x[1:], 32, 7, 1.5, None), {}) is None  # 4 bytes past an aligned start
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_recorder_says_once_which_kernel_launched_what_it_cannot_list(tmp_path, monkeypatch, caplog):
+    """A launch off a 16-byte boundary compiles a variant no list entry can stand for (the run
+    then compiles it in its window), so recording names its kernel, once, and lists the rest."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **kw: None)  # no GPU to launch on
+    listing = tmp_path / "list.json"
+    stop = T.install_recorder(listing)
+    k = _kernel("cosybatch.codec.x", "_k")
+    x = torch.zeros(64)
+    try:
+        with caplog.at_level("WARNING", logger=T.log.name):
+            for t in (x[2:], x[2:], x):
+                JITFunction.run(k, t, 32, grid=(1,), warmup=False)
+    finally:
+        stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["a launch of cosybatch.codec.x:_k cannot be listed (a tensor off a 16-byte boundary)"]
+    assert [r["args"][0] for r in T.load_launches(listing)] == [{"tensor": "float32"}]
+
+
 def _lengths(x_ptr, n, T, BLOCK):  # a kernel's signature (its body is never compiled here)
     pass
 

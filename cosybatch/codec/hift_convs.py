@@ -94,6 +94,12 @@ class TritonConvDecode:
         only left, so no output before a skipped tile reads it, and rates only grow along the
         stack (a stage's skip starts at ``rate`` times the frames where the last one's did)."""
         h = self.hift
+        if valid is not None and valid.data_ptr() % 16:
+            # Triton compiles a kernel variant per pointer alignment (16 bytes or not), and the
+            # launch list compiled ahead holds aligned launches only (gpu/triton_cache.py): a row
+            # of HiftRunner's [3, B] ints sits off that boundary when B is odd, and every conv's
+            # unaligned variant was compiled inside a run's window on a fresh cache (~0.6 s each).
+            valid = valid.clone()
         # right-causal conv_pre: zeros past the end
         x = self._conv(h.conv_pre, mel.contiguous(), mel.shape[2], x_cl=False, valid=valid)
         s_stft = s_stft.contiguous()
