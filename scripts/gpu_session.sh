@@ -20,8 +20,8 @@
 #        `startup16 nopyc:startup16`: nopyc:STEP is STEP with COSYBATCH_PYCACHE=off),
 #        nolist:STEP (STEP without cosybatch/gpu/triton_launches.json: cold, nothing compiled ahead;
 #        warm, nothing preloaded; e.g. `cold16 nolist:cold16 startup16 nolist:startup16`),
-#        firsthop (the GPU tests of codec.first_hops_apart and codec.first_hops_lead, design.md D39:
-#        then `c32 c32set=codec.first_hops_apart=true+codec.first_hops_lead=true`, alternated),
+#        firsthop (the GPU tests of codec.first_hops_apart, design.md D39: then
+#        `c32 c32set=codec.first_hops_apart=true`, alternated, three each),
 #        pyc (does every import compile source on this host? import time with a pycache prefix),
 #        cachetests (the GPU test of D37's premise), record (the Triton launch variants of synth and the seed profile into $OUT/triton_launches.json:
 #        copied to cosybatch/gpu/, what a cold cache compiles ahead, design.md D37),
@@ -263,7 +263,7 @@ for step in "$@"; do
       head -n 16 $WL/meta.lst > $WL/m16.lst; ( cd "$d" && synth_run "startup16-${d//[^A-Za-z0-9_.-]/_}" $WL/m16.lst ) ;;
     firsthop) log "pytest -m gpu: first hops solved apart, beside a graphed solve (design.md D39; carry .fixtures)"
       timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_codec_flow_gpu.py tests/test_pipeline_gpu.py \
-        -k "beside_a_graphed or first_hop or apart or lead" > "$OUT/firsthop_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/firsthop_tests.txt"
+        -k "beside_a_graphed or first_hop or apart" > "$OUT/firsthop_tests.txt" 2>&1; echo "rc=$?" >> "$OUT/firsthop_tests.txt"
       grep -E "rel RMS|passed|failed|Error" "$OUT/firsthop_tests.txt" | tail -12 | tee -a "$OUT/summary.txt" ;;
     pyc) log "bytecode: does an import compile source every time (no writable __pycache__)? import time with and without a pycache prefix"
       python3 - <<'PY' 2>&1 | tee "$OUT/pyc.txt"

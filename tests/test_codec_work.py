@@ -3,9 +3,8 @@
 The policy's answers depend on the host clock, so which combinations of slices meet in one
 iteration differs from host to host: a start planned beside a solve apart reached an IndexError
 on a 2-core CI machine only. Here a seeded random plan stands for the policy: each iteration it
-solves some ready first hops apart (with some other ready hops, as ``first_lead`` does), decodes
-some mels, steps the solve in progress and starts a new one from some of the other ready
-segments, any mix of them, as the policy's contract allows
+solves some ready first hops apart, decodes some mels, steps the solve in progress and starts a
+new one from some of the other ready segments, any mix of them, as the policy's contract allows
 (``scheduler/policy.SlicePlan``). Fake flow and HiFT runners tag each mel and waveform with its
 hop, and fail on chosen rows (every call that holds one) or at random (a batch of several, which
 ``CodecWork`` retries on halves). Whatever the plans and faults, every hop of a row that does not
@@ -87,8 +86,6 @@ def _random_plan(rng, streaming):
     def plan(now, lim, costs, ar_active, solve, hops, mels, ar_rows=0, ar_deadline=policy.INF):
         pick = lambda xs, p: tuple(x for x in xs if rng.random() < p)  # noqa: E731
         apart = pick([h.segment_id for h in hops if h.first], 0.5) if streaming else ()
-        if apart and rng.random() < 0.5:  # first_lead: other ready hops fill the solve apart
-            apart += pick([h.segment_id for h in hops if not h.first], 0.5)
         hift = pick(list(dict.fromkeys(m.segment_id for m in mels)), 0.6)
         steps = rng.randint(0, solve.steps_left) if solve is not None else 0
         start = list(pick([h.segment_id for h in hops if h.segment_id not in apart], 0.6))

@@ -366,10 +366,6 @@ def test_slice_settings_reach_the_timeline_limits():
     assert (on.slices.deadline_lead_s, on.slices.deadline_tokens, on.ar_stream) == (0.6, 6000, "beside")
     assert not on.slices.first_apart
     assert resolve(load_profile("packed_streaming", ["codec.first_hops_apart=true"]), cfg, cpu).slices.first_apart
-    lead = resolve(load_profile("packed_streaming", ["codec.first_hops_apart=true", "codec.first_hops_lead=true"]), cfg, cpu)
-    assert lead.slices.first_apart and lead.slices.first_lead
-    assert "codec.first_hops_lead needs codec.first_hops_apart=true, got codec.first_hops_apart=false" in \
-        err("packed_streaming", ["codec.first_hops_lead=true"])
     assert err("packed_streaming", ["codec.deadline_lead_ms=200"]).endswith("must be > 250 (the imminent-deadline margin), got 200.0")
     assert "one of 'serial', 'beside'" in err("packed_streaming", ["scheduler.ar_stream=parallel"])
     # the GPU frontend's launches: serial unless asked (design.md D34)

@@ -15,8 +15,6 @@ BESIDE = ["codec.deadline_lead_ms=500", "scheduler.ar_stream=beside"]
 PREFILL_BATCHING = ["ar.prefill_min_rows=2", "ar.prefill_wait_ms=20"]
 # rows' first hops solved apart, beside a solve in progress (design.md D39)
 FIRST_APART = BESIDE + ["codec.first_hops_apart=true"]
-# ... each leading a solve of the usual size, the other ready hops with it
-FIRST_LEAD = FIRST_APART + ["codec.first_hops_lead=true"]
 
 
 # The last cases: deadline batching and the AR step beside the codec (design.md D22) are
@@ -26,7 +24,7 @@ FIRST_LEAD = FIRST_APART + ["codec.first_hops_lead=true"]
 @pytest.mark.parametrize("mode,timeline,host_beside", [("full", [], False), ("streaming", [], False),
                                                        ("streaming", BESIDE, False), ("streaming", BESIDE, True),
                                                        ("full", BESIDE, True), ("full", PREFILL_BATCHING, False),
-                                                       ("streaming", FIRST_APART, False), ("streaming", FIRST_LEAD, False)])
+                                                       ("streaming", FIRST_APART, False)])
 def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode, timeline, host_beside):
     from cosybatch.profiles import load_profile
     from cosybatch.synthesizers import fast_pipeline
@@ -42,7 +40,7 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
         turns = []
         ar_turn = pipe._ar_turn
         pipe._ar_turn = lambda: (turns.append(pipe.engine.in_flight), ar_turn())
-    assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline in (BESIDE, FIRST_APART, FIRST_LEAD) else None)
+    assert pipe.codec.limits.deadline_lead_s == (0.5 if timeline in (BESIDE, FIRST_APART) else None)
     sch = pipe.engine.scheduler
     assert sch.prefill_min_rows == (2 if timeline == PREFILL_BATCHING else 1)
     held, clock = [], sch.clock
@@ -52,13 +50,8 @@ def test_fast_pipeline_matches_official(parts, fixtures_dir, reference_dir, mode
     chunks, ends = drain(pipe, [(r.utt_id, r, stream) for r in rows])
     tl = pipe.timeline()
     stages = tl["row_stages_ms"]
-    # every row's first hop solved apart, and only those (a row's later hops follow it); leading
-    # a solve, with the other hops ready then
-    apart = pipe.codec.counts["first_jobs"]
-    if timeline == FIRST_LEAD:
-        assert apart >= len(rows), pipe.codec.counts
-    else:
-        assert apart == (len(rows) if timeline == FIRST_APART else 0), pipe.codec.counts
+    # every row's first hop solved apart, and only those (a row's later hops follow it)
+    assert pipe.codec.counts["first_jobs"] == (len(rows) if timeline == FIRST_APART else 0), pipe.codec.counts
     prefilled = pipe.engine.stats.prefill_seqs  # a row's segments prefill one after another
     pipe.close()
     assert all(e.kind == "done" for e in ends.values())

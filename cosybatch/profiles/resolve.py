@@ -117,6 +117,6 @@ def resolve(profile: Profile, cfg: ModelConfig, device) -> RunSettings:
                        slices=SliceSettings(c.budget_ms, c.budget_max_ms, c.solve_tokens, c.first_wait_ms / 1e3,
                                             c.max_wait_ms / 1e3,
                                             None if c.deadline_lead_ms is None else c.deadline_lead_ms / 1e3,
-                                            c.deadline_tokens, c.first_hops_apart, c.first_hops_lead),
+                                            c.deadline_tokens, c.first_hops_apart),
                        ar_stream=profile.scheduler.ar_stream, frontend_stream=profile.scheduler.frontend_stream,
                        hift_stream=profile.scheduler.hift_stream)

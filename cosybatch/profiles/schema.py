@@ -102,11 +102,6 @@ class CodecProfile:
     # decoding row's player is within deadline_lead_ms of running dry); off: a first hop waits
     # for that solve to end and joins the next (with deadline batching a large one).
     first_hops_apart: bool = False
-    # With first_hops_apart: the solve made apart also takes the other ready hops, the first
-    # hops first, up to the usual solve size, instead of the first hops alone, so that solves
-    # stay nearer their usual size (design.md D39: apart, the solves in progress shrank and the
-    # flow lost 8 % of its rate).
-    first_hops_lead: bool = False
     # Threads that prepare prompts ahead of admission: read, resample and fbank them, and with
     # the onnxruntime frontend also run its models (the GPU frontend's run on the pipeline's thread).
     frontend_workers: int = 4
@@ -505,9 +500,6 @@ def cross_check(p: Profile, who: str) -> None:
     if o.hift_graph_counters < o.hift_graph_capacity:
         raise ProfileError(f"{who}: {at('optimizations.hift_graph_counters')} must be >= "
                            f"{at('optimizations.hift_graph_capacity')} (every graphed shape keeps a counter)")
-    if p.codec.first_hops_lead and not p.codec.first_hops_apart:
-        raise ProfileError(f"{who}: codec.first_hops_lead needs codec.first_hops_apart=true, "
-                           f"got {at('codec.first_hops_apart')}")
     for key in ("optimizations.chunk_causal_final", "optimizations.prefix_reuse"):
         if p.get(key) and p.mode != "streaming":
             raise ProfileError(f"{who}: {at(key)} applies only to mode=streaming, got {at('mode')}")

@@ -194,9 +194,8 @@ class CodecWork:
             self._steps(steps, now)
 
     def _solve_apart(self, segments: tuple, ready: list[QueuedHop], now: float) -> bool:
-        """Solve these first hops (with ``first_lead``, and the hops that fill their solve)
-        whole now, apart, before the active solve's next steps if there is one (design.md D39),
-        and decode their mels at once: someone waits for the first ones.
+        """Solve these first hops whole now, apart, before the active solve's next steps if
+        there is one (design.md D39), and decode their mels at once: someone waits for each.
         False if the flow cannot start them beside that solve now (they wait as before)."""
         hops = self._heads(ready, segments)
         if not hops:

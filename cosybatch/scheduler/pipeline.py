@@ -123,7 +123,7 @@ class FastPipeline:
                                n_steps=self.cfg.flow.n_timesteps, solve_tokens=sl.solve_tokens,
                                first_wait_s=sl.first_wait_s, max_wait_s=sl.max_wait_s,
                                deadline_lead_s=sl.deadline_lead_s, deadline_tokens=sl.deadline_tokens,
-                               first_apart=sl.first_apart, first_lead=sl.first_lead)
+                               first_apart=sl.first_apart)
         # ``scheduler.hift_stream=beside`` (design.md D36): HiFT's calls on a stream of their own,
         # each after the solves that made its mels
         hift_stream = self._side_stream("scheduler.hift_stream", settings.hift_stream)

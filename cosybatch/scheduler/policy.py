@@ -11,8 +11,7 @@ what the budget buys:
   budget;
 - **then first hops**: a row with no audio yet waits for its first chunk (time to first PCM);
   with ``first_apart`` they are solved at once, apart, before the steps of a solve in
-  progress (``first_hops_apart``, design.md D39), with ``first_lead`` leading a solve of the
-  usual size;
+  progress (``first_hops_apart``, design.md D39);
 - **then** earliest playback deadline.
 
 Full responses have no players and every row's one chunk is its first, so there the policy
@@ -117,8 +116,6 @@ class Limits:
     # streaming: rows' first hops solved at once, whole, in a solve of their own queued before
     # the steps of the solve in progress (design.md D39), instead of joining the next solve
     first_apart: bool = False
-    # ... and that solve takes the other ready hops too, up to the usual size (first hops first)
-    first_lead: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,19 +261,13 @@ def first_hops_apart(now: float, lim: Limits, costs: Costs, solve: Solve | None,
     while a player of the solve in progress is about to run dry (that solve finishes first), nor
     while a row the AR engine decodes has less than the lead (``deadline_lead_s``, else
     ``urgent_s``) of audio left: its next chunk still needs AR steps, which a solve apart delays
-    (``ar_deadline``: the earliest deadline among those rows). With ``first_lead`` the first
-    hops lead a solve of the usual size, the other ready hops filling it: they still start at
-    once, and the solves stay nearer their usual size."""
+    (``ar_deadline``: the earliest deadline among those rows)."""
     if not (lim.streaming and lim.first_apart) or (solve is not None and solve.deadline - now <= lim.urgent_s):
         return []
     if ar_deadline - now <= (lim.deadline_lead_s if lim.deadline_lead_s is not None else lim.urgent_s):
         return []
     firsts = [h for h in hops if h.first]
-    if not firsts:
-        return []
-    if lim.first_lead:  # (pick_jobs takes first hops before the others, urgent ones aside)
-        return pick_jobs(hops, lim, costs, True, now)
-    return pick_jobs(firsts, lim, costs, True, now, large=False)
+    return pick_jobs(firsts, lim, costs, True, now, large=False) if firsts else []
 
 
 def plan(now: float, lim: Limits, costs: Costs, ar_active: bool, solve: Solve | None,

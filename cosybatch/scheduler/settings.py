@@ -26,7 +26,6 @@ class SliceSettings:
     deadline_lead_s: float | None = None  # streaming deadline batching (design.md D22); None: off
     deadline_tokens: int = 8192  # the solve size deadline batching waits for
     first_apart: bool = False  # streaming: first hops solved at once, apart (design.md D39)
-    first_lead: bool = False  # ... leading a solve of the usual size, the other ready hops with them
 
 
 @dataclass(frozen=True)
