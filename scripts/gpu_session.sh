@@ -93,7 +93,8 @@ if files:
 PY
 }
 synth_run() {  # tag [manifest [synth args...]]: synth default --force-length (the 1,088 rows), no prompt cache
-  local tag=$1 man=${2:-$WL/meta.lst}; shift; shift
+  local tag=$1 man=${2:-$WL/meta.lst} n=2; shift; shift
+  local base=$tag; while [ -e "$OUT/$tag.txt" ]; do tag=$base-run$n; n=$((n + 1)); done  # a repeated step keeps its own files
   log "$tag: synth default --force-length $man $* (package: $(python3 -c 'import cosybatch; print(cosybatch.__file__)'))"
   rm -rf /tmp/$tag-out
   ( time timeout 400 $CB synth $man --model $CKPT --out /tmp/$tag-out --device cuda --force-length --quiet ${SYNTH_ARGS:-} "$@" ) \
