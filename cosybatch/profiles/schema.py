@@ -167,6 +167,11 @@ class FrontendProfile:
     # on an H200's host, what holds the first tenth of a `synth` window). 4: prompts trickling in
     # under a fixed concurrency
     graph_rows: int = 4
+    # GPU frontend: a graphed launch pads its prompts' length to a multiple of this many seconds
+    # (0.5: the shapes the warm-up covers). Coarser, a bulk run's larger graphed launches
+    # repeat a few shapes and replay them (a replay costs the host ~1 ms, an eager launch of a
+    # few dozen prompts 50-150 ms) for more padding
+    graph_bucket_s: float = 0.5
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
@@ -437,6 +442,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "frontend.batch_bucket_s": (lambda v: v > 0, "must be > 0"),
     "frontend.graph_rows": (lambda v: v >= 0, "must be >= 0"),
+    "frontend.graph_bucket_s": (lambda v: v > 0, "must be > 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),
