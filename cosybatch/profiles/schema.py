@@ -169,8 +169,8 @@ class FrontendProfile:
     graph_rows: int = 4
     # GPU frontend: a graphed launch pads its prompts' length to a multiple of this many seconds
     # (0.5: the shapes the warm-up covers). Coarser, a bulk run's larger graphed launches
-    # repeat a few shapes and replay them (a replay costs the host ~1 ms, an eager launch of a
-    # few dozen prompts 50-150 ms) for more padding
+    # repeat a few shapes and replay them (an eager launch of a few dozen prompts costs the host
+    # 50-150 ms on an H200, a replay a graph launch) for more padding
     graph_bucket_s: float = 0.5
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
