@@ -113,7 +113,7 @@ for name, v in rows.items():
         print(f"  {name:14s}", " ".join(f"{x:4.2f}" for x in v))
 # how large the launches were and what the host paid to queue them (counts and rows per tenth)
 for label, part, kinds in (("launches", "count", ("frontend", "ar_prefill")), ("rows", "size", ("frontend", "ar_prefill")),
-                           ("host queueing", "queue", ("frontend", "ar_prefill", "ar_decode"))):
+                           ("host queueing", "queue", ("frontend", "ar_prefill", "ar_mixed", "ar_decode"))):
     for k in kinds:
         v = (bt.get(part) or {}).get(k)
         if v:
@@ -121,6 +121,10 @@ for label, part, kinds in (("launches", "count", ("frontend", "ar_prefill")), ("
 for k, v in (bt.get("marks") or {}).items():
     print(f"  {k:26s}", " ".join(f"{x:5d}" for x in v))
 print("start-up", t.get("startup"))
+mixed = (tl.get("graphs") or {}).get("mixed") or {}
+if mixed.get("capture_log"):  # the AR engine's mixed-step pairs captured in the window: which, and their host ms
+    log = mixed["capture_log"]
+    print(f"mixed pairs captured {mixed.get('pairs')} ({sum(e[2] for e in log):.0f} ms of host), eager steps {mixed.get('eager')}:", log)
 b = tl.get("gpu_budget") or {}
 with open(sys.argv[2], "a") as f:  # one line per run in $OUT/summary.txt
     f.write(f"{sys.argv[3]}: {t.get('audio_s_per_s'):.1f} audio-s/s, kernel-active {(tl.get('gpu_kernel') or {}).get('kernel_active_share')}, "

@@ -280,10 +280,12 @@ def test_mixed_step_pairs_are_captured_at_their_second_use_and_the_rest_run_eage
     assert mg.eager == 1 and mg.pairs == ()
     second = mg.run(1, inp, [99])
     assert mg.pairs == ((2, 128),) and mg.replays == 1 and torch.equal(first, second)
+    assert [entry[:2] for entry in mg.capture_log] == [[2, 128]] and mg.capture_log[0][2] >= 0  # with its host ms
     mg.run(3, inp, [99])  # (4, 128): eager, then its capture fails
     mg.run(3, inp, [99])
     mg.run(3, inp, [99])
     assert mg.pairs == ((2, 128),) and len(pool.captured) == 2 and mg.eager == 4
+    assert len(mg.capture_log) == 1  # a failed capture is not listed
     mg.run(5, inp, [99])  # more rows than the largest bucket
     mg.run(1, torch.ones(5, 200, dtype=torch.long), [199])  # more tokens
     mg.run(1, inp, list(range(MAX_SEQS + 1)))  # more new sequences

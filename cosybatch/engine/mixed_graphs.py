@@ -21,6 +21,7 @@ sequences, runs eager.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 # New sequences a graphed mixed step takes: under a fixed concurrency rows free up one or two
 # at a time, and every padded one costs a row of logits.
 MAX_SEQS = 16
+# Captures listed in ``capture_log`` (a bulk run's ramp meets most of its pairs at once)
+LOGGED = 32
 
 
 class MixedGraphs:
@@ -48,6 +51,9 @@ class MixedGraphs:
         self._logits = None  # [largest b + MAX_SEQS, Vp], shared by every graph
         self.replays = 0
         self.eager = 0
+        # the first LOGGED captures, each [decode bucket, token bucket, host ms]: which pairs a
+        # run meets, and what capturing them inside its window costs
+        self.capture_log: list[list] = []
 
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
@@ -82,8 +88,11 @@ class MixedGraphs:
         self._graphs[(b, t)] = (graph, static)
 
     def _try_capture(self, pair: tuple[int, int]) -> bool:
+        t0 = time.perf_counter()
         try:
             self._capture(*pair)
+            if len(self.capture_log) < LOGGED:
+                self.capture_log.append([*pair, round(1e3 * (time.perf_counter() - t0), 1)])
             return True
         except Exception as e:
             log.warning("CUDA graph capture failed for the mixed step of %d rows and %d prompt tokens "

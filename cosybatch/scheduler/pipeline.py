@@ -301,7 +301,8 @@ class FastPipeline:
                 "hift": hift.stats.as_dict() if hift is not None else None,
                 "frontend": stats,
                 "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None,
-                "mixed": {"pairs": len(mg.pairs), "replays": mg.replays, "eager": mg.eager} if mg else None}
+                "mixed": {"pairs": len(mg.pairs), "replays": mg.replays, "eager": mg.eager,
+                          "capture_log": mg.capture_log} if mg else None}
 
     def _counters(self) -> dict[str, int]:
         """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""
