@@ -162,6 +162,25 @@ def test_prefills_riding_along_decode_steps_give_the_tokens_alone_gpu(big_lm, re
     assert got == alone and mixed > 0 and mg.replays + mg.eager == mixed
 
 
+def test_mixed_steps_captured_at_start_up_give_the_tokens_alone_gpu(big_lm, reqs):
+    """``ar.mixed_graph_precapture``: the named pairs are captured before the first request
+    (writing only the scratch row), and rows joining while others decode get their tokens alone,
+    the pairs met replayed from their first use."""
+    alone_eng = _engine(big_lm, max_num_seqs=16, mixed_prefill=True)
+    alone = run_alone(alone_eng, reqs)
+    _free(alone_eng)
+    pairs = [(d, t) for d in (1, 2, 4) for t in (128, 256, 512, 1024)]
+    eng = _engine(big_lm, max_num_seqs=4, mixed_prefill=True, mixed_graph_precapture=pairs)
+    mg = eng.runner.mixed_graphs
+    at_start = len(mg.pairs)
+    got = run_together(eng, reqs, list(range(len(reqs))))
+    mixed = eng.stats.mixed_steps
+    print(f"mixed steps {mixed}: {mg.replays} replayed, {mg.eager} eager; {at_start} pairs captured at start-up")
+    _free(eng)
+    assert at_start > 0 and all(e[3] for e in mg.capture_log[:at_start])
+    assert got == alone and mixed > 0 and mg.replays > 0
+
+
 def test_a_graphed_mixed_step_gives_the_eager_logits_gpu(big_lm, reqs):
     """``engine/mixed_graphs.py`` on CUDA at full size: a mixed step's pair captured at its
     second use and replayed gives the first (eager) use's logits bit for bit."""

@@ -428,6 +428,13 @@ def test_frontend_device_and_precision():
     assert resolve(load_profile("default", ["frontend.prime=true"]), cfg, cpu).frontend.prime is True
     assert resolve(load_profile("default", ["frontend.batch_bucket_s=2"]), cfg, cpu).frontend.batch_bucket_s == 2.0
     assert err("default", ["frontend.batch_bucket_s=0"]).endswith("frontend.batch_bucket_s: must be > 0, got 0.0")
+    # the AR engine's mixed-step pairs captured lazily unless named
+    assert resolve(load_profile("default"), cfg, cpu).engine.mixed_graph_precapture == ()
+    named = resolve(load_profile("default", ["ar.mixed_graph_precapture=[[32, 1024], [64, 2048]]"]), cfg, cpu)
+    assert named.engine.mixed_graph_precapture == ((32, 1024), (64, 2048))
+    assert err("default", ["ar.mixed_graph_precapture=[[0, 1024]]"]).endswith(
+        "ar.mixed_graph_precapture: must be a list of [rows, tokens] pairs >= 1, got ((0, 1024),)")
+    assert "needs ar.mixed_prefill=true" in err("default", ["ar.mixed_prefill=false", "ar.mixed_graph_precapture=[[32, 1024]]"])
     # launches of up to 4 prompts replay graphs unless told otherwise
     assert f.graph_rows == 4
     assert resolve(load_profile("default", ["frontend.graph_rows=64"]), cfg, cpu).frontend.graph_rows == 64

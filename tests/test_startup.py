@@ -293,6 +293,25 @@ def test_mixed_step_pairs_are_captured_at_their_second_use_and_the_rest_run_eage
     assert MixedGraphs(_Executor(), 4, (2,), (128,), pool, graphed=False)._pair(1, 100, 1) is None
 
 
+def test_mixed_step_pairs_named_at_start_up_are_captured_then_and_replayed_at_first_use():
+    """``ar.mixed_graph_precapture``: the pairs covering the given (rows, tokens) are captured
+    before any request (logged as at start-up), so a run's first step of such a pair replays;
+    a pair outside the buckets is skipped, one whose capture fails runs eager and is not tried
+    again, and a pair named twice is captured once."""
+    from cosybatch.engine.mixed_graphs import MixedGraphs
+
+    pool = _Pool(fail={1})
+    mg = MixedGraphs(_Executor(), scratch_row=4, decode_buckets=(2, 4), token_buckets=(128, 256), pool=pool)
+    assert mg.precapture([(1, 100), (3, 200), (2, 120), (9, 100), (4, 999), (4, 100)]) == 2
+    assert mg.pairs == ((2, 128), (4, 128)) and [e[:2] + e[3:] for e in mg.capture_log] == [[2, 128, True], [4, 128, True]]
+    inp = torch.ones(5, 100, dtype=torch.long)
+    mg.run(1, inp, [99])  # first use: a replay
+    assert mg.replays == 1 and mg.eager == 0
+    mg.run(3, torch.ones(5, 200, dtype=torch.long), [199])  # (4, 256): its capture failed at start-up
+    mg.run(3, torch.ones(5, 200, dtype=torch.long), [199])
+    assert mg.eager == 2 and len(pool.captured) == 3
+
+
 # ---------------------------------------------------------------- on a GPU -----------------
 @pytest.mark.gpu
 def test_models_load_straight_onto_the_gpu_equal_to_the_cpu_load(model_dir):

@@ -32,6 +32,7 @@ class EngineConfig:
     prefill_wait_ms: float
     rope_in_attention: bool
     mixed_prefill: bool
+    mixed_graph_precapture: tuple[tuple[int, int], ...] = ()  # [decoding rows, prompt tokens] pairs
     # Engine-only knobs (benchmarks and tests set them; no profile does):
     # paged KV blocks (None: from kv_cache_gb, else enough for max_num_seqs rows of max_model_len)
     num_kv_blocks: int | None = None
@@ -69,6 +70,8 @@ class EngineConfig:
         kw = dict(m)
         if "graph_batch_sizes" in kw:
             kw["graph_batch_sizes"] = tuple(int(b) for b in kw["graph_batch_sizes"])
+        if "mixed_graph_precapture" in kw:
+            kw["mixed_graph_precapture"] = tuple((int(d), int(t)) for d, t in kw["mixed_graph_precapture"])
         return cls(**kw)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

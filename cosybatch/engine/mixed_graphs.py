@@ -14,8 +14,8 @@ logits bit for bit. All graphs write their logits into one buffer: they replay o
 the AR stream, each read (sampled) before the next replay.
 
 Pairs are captured at their second use (the first runs eager, which warms its kernels), like
-the lazy prefill buckets; a step beyond the buckets, or of more than ``MAX_SEQS`` new
-sequences, runs eager.
+the lazy prefill buckets, or at start-up (``precapture``: ``ar.mixed_graph_precapture``); a step
+beyond the buckets, or of more than ``MAX_SEQS`` new sequences, runs eager.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class MixedGraphs:
         self._logits = None  # [largest b + MAX_SEQS, Vp], shared by every graph
         self.replays = 0
         self.eager = 0
-        # the first LOGGED captures, each [decode bucket, token bucket, host ms]: which pairs a
-        # run meets, and what capturing them inside its window costs
+        # the first LOGGED captures, each [decode bucket, token bucket, host ms, at start-up]:
+        # which pairs a run meets, and what capturing them inside its window costs
         self.capture_log: list[list] = []
 
     @property
@@ -87,12 +87,28 @@ class MixedGraphs:
         graph, _ = self.pool.capture(lambda: out.copy_(self.executor.mixed_from(drows, inp, last)))
         self._graphs[(b, t)] = (graph, static)
 
-    def _try_capture(self, pair: tuple[int, int]) -> bool:
+    def precapture(self, pairs) -> int:
+        """Capture the pairs covering these (decoding rows, prompt tokens) now, before the first
+        request (the capture's own warm-up run loads their kernels); each writes only the scratch
+        row. A pair outside the buckets is skipped, a failed one runs eager from then on.
+        Returns how many were captured."""
+        n = 0
+        for d, t in pairs:
+            pair = self._pair(d, t, 1)
+            if pair is None or pair in self._graphs or self._seen.get(pair, 0) < 0:
+                continue
+            if self._try_capture(pair, startup=True):
+                n += 1
+            else:
+                self._seen[pair] = -1
+        return n
+
+    def _try_capture(self, pair: tuple[int, int], startup: bool = False) -> bool:
         t0 = time.perf_counter()
         try:
             self._capture(*pair)
             if len(self.capture_log) < LOGGED:
-                self.capture_log.append([*pair, round(1e3 * (time.perf_counter() - t0), 1)])
+                self.capture_log.append([*pair, round(1e3 * (time.perf_counter() - t0), 1), startup])
             return True
         except Exception as e:
             log.warning("CUDA graph capture failed for the mixed step of %d rows and %d prompt tokens "

@@ -103,6 +103,9 @@ class ModelRunner:
         if self.mixes:
             self.mixed_graphs = MixedGraphs(self.executor, self.num_rows, cfg.buckets(), self._token_buckets(),
                                             self._graph_pool, graphed=self.graphed)
+            if self.graphed and cfg.mixed_graph_precapture:
+                n = self.mixed_graphs.precapture(cfg.mixed_graph_precapture)
+                log.info("AR mixed-step graphs captured at start-up: %d of %d pairs", n, len(cfg.mixed_graph_precapture))
 
     # ---------------------------------------------------------------- rows
 

@@ -67,6 +67,12 @@ class ARProfile:
     # next token; every prefill then runs on the decode phase's matmul tiles, so a row's tokens
     # do not depend on which way its prompt went (design.md D33); on in the default profile
     mixed_prefill: bool = False
+    # With mixed_prefill and CUDA graphs: [decoding rows, prompt tokens] pairs whose mixed-step
+    # graphs (those rows' and tokens' buckets) are captured at start-up. A bulk run's ramp admits
+    # rows while its decode batch grows through every bucket, so it meets most of its pairs at
+    # once, each run eagerly at its first use and captured at its second, inside the window
+    # (timing.json lists them: graphs.mixed.capture_log). Empty: every pair captured lazily.
+    mixed_graph_precapture: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -424,6 +430,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "ar.prefill_min_rows": (lambda v: v >= 1, "must be >= 1"),
     "ar.prefill_wait_ms": (lambda v: v >= 0, "must be >= 0"),
     "ar.graph_batch_sizes": (lambda v: len(v) > 0 and all(b >= 1 for b in v), "must be a non-empty list of sizes >= 1"),
+    "ar.mixed_graph_precapture": (lambda v: all(len(p) == 2 and min(p) >= 1 for p in v),
+                                  "must be a list of [rows, tokens] pairs >= 1"),
     "optimizations.hift_graph_precapture": (lambda v: all(len(p) == 2 and min(p) >= 1 for p in v),
                                             "must be a list of [requests, frames] pairs >= 1"),
     "codec.max_num_seqs": (lambda v: v >= 1, "must be >= 1"),
@@ -491,6 +499,9 @@ def cross_check(p: Profile, who: str) -> None:
         if changed:
             raise ProfileError(f"{who}: engine=reference runs the exact one-request path and does not use "
                                f"{', '.join(at(k) for k in changed)}; unset it or use engine=fast")
+    if p.ar.mixed_graph_precapture and not (p.ar.mixed_prefill and p.ar.cuda_graphs):
+        raise ProfileError(f"{who}: ar.mixed_graph_precapture needs ar.mixed_prefill=true and ar.cuda_graphs=true, "
+                           f"got {at('ar.mixed_prefill')}, {at('ar.cuda_graphs')}")
     o = p.optimizations
     if o.hift_graph_precapture and not o.hift_graphs:
         raise ProfileError(f"{who}: optimizations.hift_graph_precapture needs optimizations.hift_graphs=true, "
