@@ -35,6 +35,7 @@
 #        timeline (design.md D22: C64 and C32, serial vs codec.deadline_lead_ms=500 vs that with
 #        scheduler.ar_stream=beside (the seed profiles' own setting), in one lease; needs nvidia-ml-py for the in-process kernel-active share)
 #        c64seedset=KEY=VALUE; every *set= step takes several keys joined by "+": K1=V1+K2=V2
+#        synthmixed (synth, then the AR mixed-step pairs it met captured at start-up, alternated twice)
 #        besidetests (the GPU tests of the graphed mixed step and of the frontend's / HiFT's streams)
 #        promptaudio (bench_prompt_audio: prompt loading in threads vs helper processes, design.md D32)
 #        arbench (the AR decode alone: ms/step with and without ar.rope_in_attention and the sampler's kernels)
@@ -135,6 +136,7 @@ with open(sys.argv[2], "a") as f:  # one line per run in $OUT/summary.txt
 PY
   grep -m1 "^real" "$OUT/$tag.txt" | sed "s/^/$tag: whole command /" >> "$OUT/summary.txt"
   cp /tmp/$tag-out/timing.json "$OUT/$tag-timing.json"
+  LAST_TIMING="$OUT/$tag-timing.json"
 }
 set_args() {  # "K1=V1+K2=V2+..." -> SETS=(--set K1=V1 --set K2=V2 ...)
   local kvs kv; SETS=(); IFS='+' read -ra kvs <<< "$1"; for kv in "${kvs[@]}"; do SETS+=(--set "$kv"); done
@@ -243,6 +245,19 @@ for step in "$@"; do
     synth) setup; synth_run synth ;;
     synthwarm) setup; head -n 128 $WL/meta.lst > $WL/m128.lst; synth_run synthwarm $WL/m128.lst ;;  # Triton's JIT cache
     synthset=*) setup; kv=${step#synthset=}; set_args "$kv"; synth_run "synth-${kv//[^A-Za-z0-9_.-]/_}" $WL/meta.lst "${SETS[@]}" ;;
+    synthmixed) setup; log "synth, then synth with the AR mixed-step pairs it met captured at start-up (ar.mixed_graph_precapture), alternated twice"
+      synth_run synth
+      pairs=$(python3 - "$LAST_TIMING" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))["totals"]["timeline"]["graphs"].get("mixed") or {}
+met = {(e[0], e[1]) for e in m.get("capture_log", [])} | {tuple(p) for p in m.get("met_once", [])}
+print(json.dumps([list(p) for p in sorted(met)]).replace(" ", ""))
+PY
+)
+      log "mixed pairs the run met: $pairs"
+      for _ in 1 2; do
+        synth_run synth-mixedpre $WL/meta.lst --set "ar.mixed_graph_precapture=$pairs"; synth_run synth
+      done ;;
     synthbase=*) setup; d=${step#synthbase=}  # the same synth with the package from folder d (another commit)
       [ -d "$d/cosybatch" ] || { log "synthbase: $d/cosybatch not found"; continue; }
       ( cd "$d" && synth_run "synth-${d//[^A-Za-z0-9_.-]/_}" ) ;;  # python3 -m puts the working folder first

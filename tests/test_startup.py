@@ -277,10 +277,11 @@ def test_mixed_step_pairs_are_captured_at_their_second_use_and_the_rest_run_eage
     mg = MixedGraphs(_Executor(), scratch_row=4, decode_buckets=(2, 4), token_buckets=(128,), pool=pool)
     inp = torch.ones(5, 100, dtype=torch.long)
     first = mg.run(1, inp, [99])
-    assert mg.eager == 1 and mg.pairs == ()
+    assert mg.eager == 1 and mg.pairs == () and mg.met_once == ((2, 128),)
     second = mg.run(1, inp, [99])
     assert mg.pairs == ((2, 128),) and mg.replays == 1 and torch.equal(first, second)
     assert [entry[:2] for entry in mg.capture_log] == [[2, 128]] and mg.capture_log[0][2] >= 0  # with its host ms
+    assert mg.met_once == ()
     mg.run(3, inp, [99])  # (4, 128): eager, then its capture fails
     mg.run(3, inp, [99])
     mg.run(3, inp, [99])

@@ -60,6 +60,11 @@ class MixedGraphs:
         """The (decode bucket, token bucket) pairs captured so far."""
         return tuple(sorted(self._graphs))
 
+    @property
+    def met_once(self) -> tuple[tuple[int, int], ...]:
+        """The pairs a step has used once, eagerly, and that are not captured (yet)."""
+        return tuple(sorted(p for p, n in self._seen.items() if n > 0 and p not in self._graphs))
+
     def _pair(self, d: int, t: int, k: int) -> tuple[int, int] | None:
         b = next((x for x in self._decode if x >= d), None)
         tb = next((x for x in self._tokens if x >= t), None)

@@ -302,7 +302,7 @@ class FastPipeline:
                 "frontend": stats,
                 "prefill": {"buckets": len(pg.buckets), "replays": pg.replays, "eager": pg.eager} if pg else None,
                 "mixed": {"pairs": len(mg.pairs), "replays": mg.replays, "eager": mg.eager,
-                          "capture_log": mg.capture_log} if mg else None}
+                          "capture_log": mg.capture_log, "met_once": [list(p) for p in mg.met_once]} if mg else None}
 
     def _counters(self) -> dict[str, int]:
         """Cumulative batch counters of the codec and the engine (summed into ``timeline``)."""
