@@ -159,8 +159,7 @@ def _fast_pipeline(model_dir, device: torch.device, profile, prompt_cache=None, 
         # Benchmark workloads cycle through hundreds of prompts: room for thousands of them.
         with _on(device):
             fe = Frontend(model_dir, cfg, backend=f.backend, device=device, dtype=f.dtype, split_tf32=f.split_tf32,
-                          row_bucket=f.row_bucket, batch_bucket_s=f.batch_bucket_s, graph_rows=f.graph_rows,
-                          bucket_s=f.graph_bucket_s, cache_size=4096,
+                          row_bucket=f.row_bucket, batch_bucket_s=f.batch_bucket_s, graph_rows=f.graph_rows, cache_size=4096,
                           cache_bytes=2 << 30, disk_cache=prompt_cache, warmup=False,
                           text_normalizer=settings.text.normalizer)
             if f.prime and not f.warmup:  # (the warm-up, later, does this and more)

@@ -247,36 +247,37 @@ def test_row_buckets_change_nothing(standins):
         assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5
 
 
-def test_length_buckets_change_nothing_and_each_applies_to_its_own_chunks(standins):
-    """``batch_bucket_s``: a chunk too large for a graph is padded to a multiple of that many
-    seconds (the models mask the padding: each prompt gets what the 0.5 s buckets give it); a
-    chunk of at most ``graph_rows`` prompts is padded to ``bucket_s`` instead (the profile's
-    ``frontend.graph_bucket_s``; on the CPU the graph cache runs its function eagerly, as in the
-    test below)."""
+def test_batch_length_buckets_change_nothing_and_leave_small_chunks_alone(standins):
+    """``batch_bucket_s``: a chunk of more than ``SMALL_ROWS`` prompts is padded to a multiple of
+    that many seconds, graphed or not (the models mask the padding: each prompt gets what the
+    0.5 s buckets give it); a chunk of at most that many keeps ``bucket_s``, the warm-up's
+    shapes (on the CPU the graph cache runs its function eagerly, as in the test below)."""
+    from cosybatch.frontend.torch_backend import SMALL_ROWS
     from cosybatch.gpu.graph_cache import GraphCache
 
-    cases = {"fine": {}, "batch 2 s": {"batch_bucket_s": 2.0}, "graph 2 s": {"bucket_s": 2.0, "batch_bucket_s": 0.5}}
+    assert len(SECONDS) == SMALL_ROWS + 1
     outs, widths = {}, {}
-    for name, kw in cases.items():
-        fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0, **kw)
+    for bb, graph_rows in ((None, 4), (2.0, 4), (2.0, 8)):
+        fe = Frontend(standins, ModelConfig(), backend="torch", device="cpu", cache_size=0, batch_bucket_s=bb)
         impl, seen = fe._impl, []
-        impl.graph_rows = 4
+        impl.graph_rows = graph_rows
         impl.graphs = GraphCache(lambda *t, impl=impl: impl._features(*t, True, True), enabled=False)
         run = impl._features
-        impl._features = lambda x16, *a, seen=seen, run=run: seen.append(x16.shape[1]) or run(x16, *a)
+        impl._features = lambda x16, *a, seen=seen, run=run: seen.append(x16.shape[:2]) or run(x16, *a)
         loaded = [fe.load_waveform(_wav16(s, 150 + i), 16000, f"w{i}") for i, s in enumerate(SECONDS)]
-        outs[name] = fe.raw_features(loaded) + fe.raw_features(loaded[:2])  # one chunk beyond graph_rows, a graphed one
-        widths[name] = seen
+        outs[bb, graph_rows] = fe.raw_features(loaded)  # five prompts: eager with 4 graph rows, graphed with 8
+        fe.raw_features(loaded[:2])  # two: graphed
+        widths[bb, graph_rows] = [tuple(w) for w in seen]
 
     def width(seconds, bucket):
         return int(math.ceil(seconds / bucket) * bucket * 16000)
 
-    assert widths["fine"] == [width(max(SECONDS), 0.5), width(max(SECONDS[:2]), 0.5)]
-    assert widths["batch 2 s"] == [width(max(SECONDS), 2.0), width(max(SECONDS[:2]), 0.5)]
-    assert widths["graph 2 s"] == [width(max(SECONDS), 0.5), width(max(SECONDS[:2]), 2.0)]
-    assert len({tuple(w) for w in widths.values()}) == 3
-    for name in ("batch 2 s", "graph 2 s"):
-        for a, b in zip(outs["fine"], outs[name]):
+    small = (2, width(max(SECONDS[:2]), 0.5))
+    assert widths[None, 4] == [(5, width(max(SECONDS), 0.5)), small]
+    assert widths[2.0, 4] == [(5, width(max(SECONDS), 2.0)), small]
+    assert widths[2.0, 8] == [(8, width(max(SECONDS), 2.0)), small]  # graphed: rows to a power of two
+    for key in ((2.0, 4), (2.0, 8)):
+        for a, b in zip(outs[None, 4], outs[key]):
             assert torch.equal(a.tokens, b.tokens)
             assert (a.embedding - b.embedding).abs().max() <= 1e-5
             assert a.mel.shape == b.mel.shape and (a.mel - b.mel).abs().max() <= 1e-5

@@ -439,10 +439,6 @@ def test_frontend_device_and_precision():
     assert f.graph_rows == 4
     assert resolve(load_profile("default", ["frontend.graph_rows=64"]), cfg, cpu).frontend.graph_rows == 64
     assert err("default", ["frontend.graph_rows=-1"]).endswith("frontend.graph_rows: must be >= 0, got -1")
-    # graphed launches' lengths in 0.5 s steps (the warm-up's shapes) unless told otherwise
-    assert f.graph_bucket_s == 0.5
-    assert resolve(load_profile("default", ["frontend.graph_bucket_s=8"]), cfg, cpu).frontend.graph_bucket_s == 8.0
-    assert err("default", ["frontend.graph_bucket_s=0"]).endswith("frontend.graph_bucket_s: must be > 0, got 0.0")
     # prompt audio in the workers' threads unless helper processes are asked for
     assert f.audio_processes is False
     assert resolve(load_profile("default", ["frontend.audio=process"]), cfg, cpu).frontend.audio_processes is True

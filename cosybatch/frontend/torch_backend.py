@@ -16,9 +16,11 @@ pipeline reads them an iteration later, so its frontend slices never drain the G
 trickling in one by one) replay a CUDA graph per shape instead of launching ~1,200 kernels:
 the graph runs the masked (padded) path of every model, which the batched path already runs
 for every row shorter than its chunk's longest, and returns codes, embedding and mel packed in
-one tensor, so one copy brings them back. Such chunks are padded to 1, 2 or 4 rows (copies of
-their last prompt, whose results are dropped), so the shapes -- and the graphs ``warmup``
-captures -- stay few: 1 row at every length bucket, 2 and 4 rows up to 10 s.
+one tensor, so one copy brings them back. Such chunks are padded to a power of two of rows
+(copies of their last prompt, whose results are dropped), so the shapes -- and the graphs
+``warmup`` captures -- stay few: 1 row at every length bucket, 2 and 4 rows up to 10 s. A chunk
+of more than ``SMALL_ROWS`` prompts (a bulk run's, graphed or not) pads its length to
+``batch_bucket_s`` instead, so that coarser buckets make its shapes repeat.
 
 Precision is the frontend's own: its device work runs with strict float32 convolutions and
 GEMMs whatever the process's TF32 switches say (the profiles turn cuDNN TF32 on for HiFT, and
@@ -85,6 +87,11 @@ class PendingRaw:
         return out  # type: ignore[return-value]
 
 
+# The warm-up's largest chunk: a chunk of at most this many prompts (prompts trickling in) pads its
+# length to ``bucket_s``, the shapes the warm-up covers; a larger one to ``batch_bucket_s``.
+SMALL_ROWS = 4
+
+
 class TorchBackend:
     def __init__(self, tokenizer: S3TokenizerV3, campplus: CAMPPlus, mel_cfg: MelConfig, device,
                  dtype: torch.dtype = torch.float32, max_batch: int = 64, max_batch_tokens: int = 16384,
@@ -94,10 +101,10 @@ class TorchBackend:
         GEMMs each (``frontend_models.split_tf32``); everything else stays strict float32, whatever the
         process's TF32 switches say. ``overlap``: CAM++ beside the tokenizer on CUDA (same
         results: the same kernels, only concurrent). ``row_bucket``: chunks too large for a graph
-        are padded to a multiple of this many rows, like graphed ones to 1, 2 or 4, so their
+        are padded to a multiple of this many rows, like graphed ones to a power of two, so their
         shapes repeat (each new shape costs the host the planning of its convolutions);
-        ``batch_bucket_s``: and their length to a multiple of this many seconds (None:
-        ``bucket_s``, the graphed chunks' and the warm-up's)."""
+        ``batch_bucket_s``: chunks of more than ``SMALL_ROWS`` prompts pad their length to a
+        multiple of this many seconds (None: ``bucket_s``, the smaller chunks' and the warm-up's)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_cfg = mel_cfg
@@ -160,8 +167,8 @@ class TorchBackend:
             longest = max(longest, tok)
         return chunks + ([cur] if cur else [])
 
-    def _bucket(self, n: int, rate: int, graphed: bool) -> int:
-        seconds = self.bucket_s if graphed else self.batch_bucket_s
+    def _bucket(self, n: int, rate: int, small: bool) -> int:
+        seconds = self.bucket_s if small else self.batch_bucket_s
         step = max(1, int(round(seconds * rate))) if seconds > 0 else 1
         return int(math.ceil(n / step) * step)
 
@@ -258,13 +265,14 @@ class TorchBackend:
         if extra:
             wav16, wav_mel = wav16 + wav16[-1:] * extra, wav_mel + wav_mel[-1:] * extra
             fbank_rows = None if fbank_rows is None else fbank_rows + fbank_rows[-1:] * extra
-        size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE, graphed)
+        small = n <= SMALL_ROWS
+        size16 = self._bucket(max(int(w.shape[-1]) for w in wav16), SAMPLE_RATE, small)
         x16, l16, n16 = self._rows(wav16, size16)
         frames = n16 // WHISPER_HOP
         fb_size = 1 + (x16.shape[1] - KALDI_FRAME) // KALDI_SHIFT
         fbank, fb_dev, fb_frames = self._fbank(x16, l16, n16, fbank_rows, fb_size)
         cfg = self.mel_cfg
-        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate, graphed))
+        xm, lm, nm = self._rows(wav_mel, self._bucket(max(int(w.shape[-1]) for w in wav_mel), cfg.sampling_rate, small))
         inputs = (x16, l16, fbank, fb_dev, xm, lm)
         if graphed:
             flat = self.graphs(*inputs)
@@ -330,7 +338,7 @@ class TorchBackend:
         for k in range(1, n_buckets + 1):
             a = row(min(k * step, max_seconds))
             self.compute([a[0]], [a[1]], [a[2]])
-            for rows in (2, 4):
+            for rows in (2, SMALL_ROWS):
                 if rows <= self.graph_rows and k * step <= 10.0:
                     self.compute([a[0]] * rows, [a[1]] * rows, [a[2]] * rows)
         pair = [row(1.3), row(2.0)]

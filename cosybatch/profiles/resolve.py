@@ -35,7 +35,7 @@ def resolve_frontend(f: FrontendProfile, device) -> FrontendSettings:
     dtype = torch.bfloat16 if f.precision == "bfloat16" else torch.float32
     return FrontendSettings(backend=backend, dtype=dtype, split_tf32=f.precision == "3xtf32", batch=f.batch,
                             gather_s=f.gather_ms / 1e3, row_bucket=f.row_bucket, batch_bucket_s=f.batch_bucket_s,
-                            graph_rows=f.graph_rows, graph_bucket_s=f.graph_bucket_s,
+                            graph_rows=f.graph_rows,
                             warmup=f.warmup, prime=f.prime, audio_processes=f.audio == "process")
 
 

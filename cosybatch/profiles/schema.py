@@ -162,10 +162,10 @@ class FrontendProfile:
     # shapes repeat; each new shape costs the host the planning of its convolutions (1: exact
     # rows; docs/performance.md)
     row_bucket: int = 1
-    # GPU frontend: a launch too large for a graph pads its prompts' length to a multiple of this
-    # many seconds (graphed launches of 1-4 prompts keep 0.5 s, the shapes the warm-up covers):
-    # longer buckets repeat shapes more often (a new one costs ~80 ms of host planning) for more
-    # padding
+    # GPU frontend: a launch of more than 4 prompts (a bulk run's, graphed or not) pads its
+    # prompts' length to a multiple of this many seconds (launches of 1-4 prompts keep 0.5 s, the
+    # shapes the warm-up covers): longer buckets repeat shapes more often (a new one costs ~80 ms
+    # of host planning eagerly, a capture with graph_rows) for more padding
     batch_bucket_s: float = 0.5
     # GPU frontend: a launch of at most this many prompts replays a CUDA graph of its shape (rows
     # padded to a power of two, lengths to 0.5 s), captured when first met; a larger one queues
@@ -173,11 +173,6 @@ class FrontendProfile:
     # on an H200's host, what holds the first tenth of a `synth` window). 4: prompts trickling in
     # under a fixed concurrency
     graph_rows: int = 4
-    # GPU frontend: a graphed launch pads its prompts' length to a multiple of this many seconds
-    # (0.5: the shapes the warm-up covers). Coarser, a bulk run's larger graphed launches
-    # repeat a few shapes and replay them (an eager launch of a few dozen prompts costs the host
-    # 50-150 ms on an H200, a replay a graph launch) for more padding
-    graph_bucket_s: float = 0.5
     # GPU frontend: at start-up, run one prompt of every length bucket (and 2 and 4 of the
     # short ones) so that prompts trickling in one by one meet planned shapes and captured
     # graphs (10-14 s on an H200; docs/performance.md). Bulk runs launch padded batches of
@@ -450,7 +445,6 @@ RANGES: dict[str, tuple[Any, str]] = {
     "codec.budget_ms": (lambda v: v > 0, "must be > 0"),
     "frontend.batch_bucket_s": (lambda v: v > 0, "must be > 0"),
     "frontend.graph_rows": (lambda v: v >= 0, "must be >= 0"),
-    "frontend.graph_bucket_s": (lambda v: v > 0, "must be > 0"),
     "scheduler.gemm_sm_carveout": (lambda v: v is None or 1 <= v <= 64, "must be from 1 to 64 or null"),
     "codec.budget_max_ms": (lambda v: v is None or v > 0, "must be > 0"),
     "codec.solve_tokens": (lambda v: v is None or v >= 1, "must be >= 1"),

@@ -40,7 +40,6 @@ class FrontendSettings:
     row_bucket: int  # a GPU frontend launch's rows padded to a multiple of this
     batch_bucket_s: float  # and, too large for a graph, its length to a multiple of this many seconds
     graph_rows: int  # a launch of at most this many prompts replays a CUDA graph of its shape
-    graph_bucket_s: float  # its length padded to a multiple of this many seconds
     warmup: bool  # every length bucket's shapes planned and captured at start-up
     prime: bool  # or, without that, one small launch at start-up (a process's one-time set-up)
     audio_processes: bool  # prompt audio read in helper processes, one per frontend worker
