@@ -19,6 +19,52 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _dot_in_order(a, b, dtype):
+    """``a @ b`` over the last two axes in ``dtype``, each output summing its products in order of
+    the inner index, one rounding per product and per sum (no FMA), whatever the shapes."""
+    import numpy as np
+
+    a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+    a_cols = np.moveaxis(a, -1, 0)[..., None]  # [K, ..., M, 1]
+    b_rows = np.moveaxis(b, -2, 0)[..., None, :]  # [K, ..., 1, N]
+    acc = a_cols[0] * b_rows[0]
+    for k in range(1, a.shape[-1]):
+        acc += a_cols[k] * b_rows[k]
+    return acc
+
+
+def _interpreter_dots_in_order() -> bool:
+    """Make the interpreter's ``tl.dot`` sum in a fixed order (``_dot_in_order``).
+
+    The interpreter hands a dot to ``numpy.matmul``, i.e. to the CPU's BLAS, whose order of summing
+    one output depends on the operands' shapes on some CPUs (OpenBLAS's Haswell kernels, which
+    the CI's AMD machine runs: a row of a [16, 64] x [64, 32] product differs from the same row
+    computed alone). The kernel tests that claim two tilings or a fused epilogue give the same
+    bits (as the GPU's MMA does, the order within a K step being fixed) would then pass or fail
+    by CPU. Here the sum runs in order of the inner index on every CPU, so those claims are tested
+    as the kernels make them; the results are float32 sums as before, in another order.
+    Returns False where this Triton has no such builder method (the tests then use BLAS)."""
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:
+        return False
+    plain = getattr(InterpreterBuilder, "create_dot", None)
+    if plain is None:
+        return False
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8/int8: as Triton does
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return TensorHandle(_dot_in_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_dots_in_order()
+
 _HERE = Path(__file__).resolve().parent
 
 
