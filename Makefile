@@ -47,7 +47,8 @@ test: test-venv
 # HiFT / frontend / sampler numerics. The rest (CLI, resume, signals, manifest, ledger, sharding,
 # workers, scheduler policy, profiles, formats, layering) does not depend on which kernels run, so a
 # second pass would only repeat `make test`; nor do the Triton kernels in the interpreter
-# (tests/test_*_interp.py: numpy evaluates them, whatever ATen, MKL and oneDNN are capped to; ~2 min
+# (tests/test_*_interp.py: numpy evaluates them, whatever ATen, MKL and oneDNN are capped to, and the
+# tests make its dots sum in a fixed order, whatever BLAS the CPU gets: tests/conftest.py; ~2 min
 # of this pass, which kept CI near its 20-minute limit).
 PORTABLE_ENV := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=3 COSYBATCH_TEST_THREADS=3
 
