@@ -38,9 +38,9 @@ def _interpreter_dots_in_order() -> bool:
     """Make the interpreter's ``tl.dot`` sum in a fixed order (``_dot_in_order``).
 
     The interpreter hands a dot to ``numpy.matmul``, i.e. to the CPU's BLAS, whose order of summing
-    one output depends on the operands' shapes on some CPUs (OpenBLAS's Haswell kernels, which
-    the CI's AMD machine runs: a row of a [16, 64] x [64, 32] product differs from the same row
-    computed alone). The kernel tests that claim two tilings or a fused epilogue give the same
+    one output depends on the operands' shapes on some CPUs (OpenBLAS's Haswell kernels, which an
+    AMD EPYC without AVX-512 gets: a row of a [16, 64] x [64, 32] product differs from the same
+    row computed alone; five such tests failed on one). The kernel tests that claim two tilings or a fused epilogue give the same
     bits (as the GPU's MMA does, the order within a K step being fixed) would then pass or fail
     by CPU. Here the sum runs in order of the inner index on every CPU, so those claims are tested
     as the kernels make them; the results are float32 sums as before, in another order.
