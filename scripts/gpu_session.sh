@@ -53,8 +53,8 @@ if ! python3 -c "import soundfile" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1;
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# The parity fixtures do not travel with the repository: copy them into the ignored .fixtures/
-# (`cp -r ../shared/fixtures/cv3-tiny .fixtures/`) and carry it, so the fixture tests run here too.
+# The parity fixtures do not travel with the repository: scripts/lease_carry.sh copies them into
+# the ignored .fixtures/; carry it, so the fixture tests run here too.
 [ -d .fixtures/cv3-tiny ] && export COSYBATCH_FIXTURES=$PWD/.fixtures
 CB="python3 -m cosybatch"
 CKPT=/tmp/ckpt-full

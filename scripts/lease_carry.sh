@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ignored folders a GPU lease carries (the device run's `carry`), made on the CPU machine:
+# The ignored folders (.gitignore) a GPU lease carries (the device run's `carry`), made on the CPU machine:
 #   .whl/       the cp312 wheels the H200's image lacks (soundfile with libsndfile, cffi,
 #               pycparser), installed by scripts/gpu_session.sh where `import soundfile` fails
 #   .fixtures/  the parity fixtures (../shared/fixtures/cv3-tiny), for the fixture GPU tests
@@ -21,6 +21,4 @@ fi
 if [ $# -ge 1 ]; then
   rm -rf .base && mkdir .base && git archive "$1" cosybatch scripts | tar -x -C .base
 fi
-# Keep them out of git status (they must still travel: carry names them).
-for d in .fixtures/ .base/; do grep -qxF "/$d" .git/info/exclude 2>/dev/null || echo "/$d" >> .git/info/exclude; done
 du -sh .whl .fixtures .base 2>/dev/null || true

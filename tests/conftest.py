@@ -34,24 +34,24 @@ def _dot_in_order(a, b, dtype):
     return acc
 
 
-def _interpreter_dots_in_order() -> bool:
+def _interpreter_dots_in_order() -> None:
     """Make the interpreter's ``tl.dot`` sum in a fixed order (``_dot_in_order``).
 
     The interpreter hands a dot to ``numpy.matmul``, i.e. to the CPU's BLAS, whose order of summing
     one output depends on the operands' shapes on some CPUs (OpenBLAS's Haswell kernels, which an
     AMD EPYC without AVX-512 gets: a row of a [16, 64] x [64, 32] product differs from the same
-    row computed alone; five such tests failed on one). The kernel tests that claim two tilings or a fused epilogue give the same
-    bits (as the GPU's MMA does, the order within a K step being fixed) would then pass or fail
-    by CPU. Here the sum runs in order of the inner index on every CPU, so those claims are tested
-    as the kernels make them; the results are float32 sums as before, in another order.
-    Returns False where this Triton has no such builder method (the tests then use BLAS)."""
+    row computed alone; five such tests failed on one). The kernel tests that claim two tilings
+    or a fused epilogue give the same bits (as the GPU's MMA does, the order within a K step
+    being fixed) would then pass or fail by CPU. Here the sum runs in order of the inner index on
+    every CPU, so those claims are tested as the kernels make them; the results are float32 sums
+    as before, in another order. A Triton without this builder method keeps its BLAS dots."""
     try:
         from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
     except ImportError:
-        return False
+        return
     plain = getattr(InterpreterBuilder, "create_dot", None)
     if plain is None:
-        return False
+        return
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8/int8: as Triton does
@@ -59,7 +59,6 @@ def _interpreter_dots_in_order() -> bool:
         return TensorHandle(_dot_in_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
 
     InterpreterBuilder.create_dot = create_dot
-    return True
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
