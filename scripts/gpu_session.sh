@@ -157,7 +157,7 @@ for step in "$@"; do
       timeout 300 python3 scripts/profile_flow.py --rows 1,4,8,16 --hop 1 --profile-rows 16 \
         --json "$OUT/profile_flow.json" 2>&1 | tee "$OUT/profile_flow.txt" | grep -v "^#  " ;;
     fuseprof) log "profile_flow: the unfused layer vs each fused part vs all (design.md D26): graphed step fit + kernels per layer"
-      timeout 300 python3 scripts/profile_flow.py --rows ${FUSE_ROWS:-6,12,24} --hop 2 --reps 2 --profile-rows 8 --top 12 \
+      timeout 300 python3 scripts/profile_flow.py --rows ${FUSE_ROWS:-6,12,24} --hop 2 --reps 2 --profile-rows ${FUSE_PROFILE_ROWS:-8} --top 12 \
         --variants ${FUSE_VARIANTS:-unfused,+chain,+gelu,+kv,+fill,triton} --profile-variants unfused,triton \
         --json "$OUT/profile_fuse.json" 2>&1 | tee "$OUT/profile_fuse.txt" | grep -v "^  [ 0-9]" ;;
     layerparts) log "bench_layer_parts: each fused layer part vs the ops it replaces (µs, kernels, difference)"

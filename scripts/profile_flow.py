@@ -140,8 +140,12 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
     seq = hop_jobs(rows, "prof", hop)
     for jobs in seq[:-1]:
         runner.run(jobs)
+    before = dict(runner.stats)
     solve = runner.start(seq[-1] + [FlowJob(("fresh", i), tok, pr) for i, (pr, tok) in enumerate(fresh or ())])
     solve.step(1)
+    # one Euler step's padded tokens and attention pairs (per layer): what the classes below divide by
+    step_tokens = runner.stats["padded_tokens"] - before["padded_tokens"]
+    step_pairs = runner.stats["attn_pairs"] - before["attn_pairs"]
     cuda = runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     act = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
@@ -183,11 +187,46 @@ def kernel_profile(runner, rows, hop, top, what="", fresh=None):
           f"{out['step_launches']} launches per step)", flush=True)
     for r in out["per_layer"]:
         print(f"    x{r['count']:4.2f} {r['us']:8.1f} us  {r['kernel'][:100]}", flush=True)
+    out["by_class"] = by_class(out["per_layer"], step_tokens, step_pairs, depth, runner.flow.cfg.dit)
+    for c, r in out["by_class"].items():
+        rate = f", {r['tflops']:.0f} TFLOP/s" if r.get("tflops") else ""
+        print(f"#   {c:11s} {r['us_per_token']:.3f} us per padded token per Euler step ({r['kernels']:.2f} kernels a "
+              f"layer{rate})", flush=True)
     if counted is not None:
         out["census_per_layer"] = counted.per_layer()
         out["census_step_launches"] = counted.total
         print(counted.format(what), flush=True)
     return out
+
+
+def kernel_class(name: str) -> str:
+    """A DiT layer's kernel by what it does: ``attention``, ``gemm`` (cuBLAS / CUTLASS, epilogues
+    included), or ``elementwise`` (norms, gates, rotary, K/V writes, fills)."""
+    n = name.lower()
+    if "attn" in n or "attention" in n or "flash" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "addmm", "aten::mm", "bmm")):
+        return "gemm"
+    return "elementwise"
+
+
+def by_class(per_layer: list, tokens: int, pairs: int, depth: int, d) -> dict:
+    """Per-layer kernel time split by ``kernel_class`` as microseconds per padded token of a whole
+    Euler step (the unit of the graphed step's fit), with the rate the GEMMs and attention reach:
+    where a step's per-token cost goes, kernel class by kernel class."""
+    out = {}
+    for r in per_layer:
+        c = out.setdefault(kernel_class(r["kernel"]), {"us_layer": 0.0, "kernels": 0.0})
+        c["us_layer"] += r["us"]
+        c["kernels"] += r["count"]
+    inner, ff = d.heads * d.dim_head, d.dim * d.ff_mult
+    flops = {"gemm": 2.0 * tokens * (3 * d.dim * inner + inner * d.dim + 2 * d.dim * ff),
+             "attention": 4.0 * inner * pairs}
+    for name, c in out.items():
+        c["us_per_token"] = c["us_layer"] * depth / max(tokens, 1)
+        if name in flops and c["us_layer"] > 0:
+            c["tflops"] = flops[name] / (c["us_layer"] * 1e-6) / 1e12
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us_layer"]))
 
 
 def _launches(prof, cuda: bool) -> dict:
