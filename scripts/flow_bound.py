@@ -9,7 +9,9 @@ CFG twins included, times the steps and the DiT's linear and conv FLOPs per toke
 left out, so the work is a lower bound) and the GPU time every other slice kind held. The target
 fixes the window (the run's audio over the target audio-s/s); the other stages keep the time they
 took in this run, except that AR decode gets its p50 step time with every step full
-(`--ar-rows`, the profile's AR admission) and captures and the flow's set-up slices get none.
+(`--ar-rows`, the profile's AR admission) and captures and the flow's set-up slices get none. A
+mixed step (new rows' prefill inside a decode step, `ar_mixed`) keeps what it took beyond a decode
+step's p50: the prefill it carried; its decode part is in the full steps already.
 What is left is the flow's share, and the figure printed last is the rate the flow would need in
 it: compare it with the flow's rate in this run and with the chip's dense bf16 peak (`--peak`,
 TFLOP/s; 769-798 measured on the H200 here). Above the peak, the target cannot be met unless the
@@ -51,8 +53,11 @@ def bound(run: dict, target: float, ar_rows: int, cfg: FlowConfig) -> dict:
     flow_s = ms.get("flow_step", 0.0) + ms.get("flow_capture", 0.0)
     window = run["audio_s"] / target
     decode_steps = run["audio_s"] * TOKEN_RATE / ar_rows
-    others = {"ar_decode": decode_steps * tl["ar_step_ms"]["p50"] / 1e3,
-             **{k: ms.get(k, 0.0) for k in ("ar_prefill", "hift", "frontend")}}
+    step_s = tl["ar_step_ms"]["p50"] / 1e3
+    mixed = tl["slice_ms"].get("ar_mixed") or {}
+    others = {"ar_decode": decode_steps * step_s,
+              "ar_mixed_prefill": max(0.0, mixed.get("total", 0.0) / 1e3 - mixed.get("count", 0) * step_s),
+              **{k: ms.get(k, 0.0) for k in ("ar_prefill", "hift", "frontend")}}
     left = window - sum(others.values())
     return {"measured_audio_s_per_s": run["audio_s"] / run["wall_s"], "target_audio_s_per_s": target,
             "flow_work_pflop": work / 1e15, "flow_gpu_s": flow_s, "flow_tflops_measured": work / flow_s / 1e12,
