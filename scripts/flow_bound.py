@@ -11,7 +11,10 @@ fixes the window (the run's audio over the target audio-s/s); the other stages k
 took in this run, except that AR decode gets its p50 step time with every step full
 (`--ar-rows`, the profile's AR admission) and captures and the flow's set-up slices get none. A
 mixed step (new rows' prefill inside a decode step, `ar_mixed`) keeps what it took beyond a decode
-step's p50: the prefill it carried; its decode part is in the full steps already.
+step's p50: the prefill it carried; its decode part is in the full steps already. Where the AR
+engine ran beside the codec on its own stream (a profile result with `scheduler.ar_stream:
+beside`), its decode steps and prefills count nothing: they overlap the codec, whose measured
+times already carry the slowdown they cause.
 What is left is the flow's share, and the figure printed last is the rate the flow would need in
 it: compare it with the flow's rate in this run and with the chip's dense bf16 peak (`--peak`,
 TFLOP/s; 769-798 measured on the H200 here). Above the peak, the target cannot be met unless the
@@ -40,9 +43,11 @@ def load(path: Path) -> dict:
         d = json.load(f)
     if "totals" in d:  # synth's timing.json
         t = d["totals"]
-        return {"audio_s": t["audio_s"], "wall_s": t["wall_s"], "timeline": t["timeline"], "ar_rows": None}
+        return {"audio_s": t["audio_s"], "wall_s": t["wall_s"], "timeline": t["timeline"], "ar_rows": None,
+                "ar_beside": False}
     return {"audio_s": d["total_audio_duration_s"], "wall_s": d["duration"], "timeline": d["timeline"],
-            "ar_rows": d["profile"]["ar"]["max_num_seqs"]}
+            "ar_rows": d["profile"]["ar"]["max_num_seqs"],
+            "ar_beside": (d["profile"].get("scheduler") or {}).get("ar_stream") == "beside"}
 
 
 def bound(run: dict, target: float, ar_rows: int, cfg: FlowConfig) -> dict:
@@ -55,9 +60,11 @@ def bound(run: dict, target: float, ar_rows: int, cfg: FlowConfig) -> dict:
     decode_steps = run["audio_s"] * TOKEN_RATE / ar_rows
     step_s = tl["ar_step_ms"]["p50"] / 1e3
     mixed = tl["slice_ms"].get("ar_mixed") or {}
-    others = {"ar_decode": decode_steps * step_s,
-              "ar_mixed_prefill": max(0.0, mixed.get("total", 0.0) / 1e3 - mixed.get("count", 0) * step_s),
-              **{k: ms.get(k, 0.0) for k in ("ar_prefill", "hift", "frontend")}}
+    beside = run.get("ar_beside", False)
+    ar = {"ar_decode": decode_steps * step_s,
+          "ar_mixed_prefill": max(0.0, mixed.get("total", 0.0) / 1e3 - mixed.get("count", 0) * step_s),
+          "ar_prefill": ms.get("ar_prefill", 0.0)}
+    others = {**{k: 0.0 if beside else v for k, v in ar.items()}, **{k: ms.get(k, 0.0) for k in ("hift", "frontend")}}
     left = window - sum(others.values())
     return {"measured_audio_s_per_s": run["audio_s"] / run["wall_s"], "target_audio_s_per_s": target,
             "flow_work_pflop": work / 1e15, "flow_gpu_s": flow_s, "flow_tflops_measured": work / flow_s / 1e12,

@@ -47,6 +47,23 @@ def test_required_flow_rate_from_a_synth_timing(tmp_path):
     assert out["flow_tflops_needed"] == pytest.approx(work / 1.1 / 1e12)
 
 
+def test_an_ar_step_beside_the_codec_takes_none_of_the_window(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from flow_bound import bound, load
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from cosybatch.models.config import FlowConfig
+
+    _timing(tmp_path / "timing.json.gz")
+    run = load(tmp_path / "timing.json.gz")
+    run["ar_beside"] = True  # what a profile result with scheduler.ar_stream: beside loads as
+    out = bound(run, target=50.0, ar_rows=10, cfg=FlowConfig())
+    assert out["other_stages_s"]["ar_decode"] == out["other_stages_s"]["ar_mixed_prefill"] == 0
+    assert out["other_stages_s"]["ar_prefill"] == 0  # the AR stream's too
+    assert out["flow_share_s"] == pytest.approx(2.0 - 0.2)  # HiFT and the frontend
+
+
 def test_a_synth_timing_needs_the_ar_admission(tmp_path):
     _timing(tmp_path / "timing.json.gz")
     r = subprocess.run([sys.executable, str(REPO / "scripts/flow_bound.py"), str(tmp_path / "timing.json.gz"),
