@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from cosybatch.codec.flops import dit_token_flops
+from cosybatch.models.config import FlowConfig
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+try:
+    from flow_bound import bound, load  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 
 def _timing(path: Path) -> None:
@@ -24,15 +32,6 @@ def _timing(path: Path) -> None:
 
 
 def test_required_flow_rate_from_a_synth_timing(tmp_path):
-    from cosybatch.models.config import FlowConfig
-
-    from cosybatch.codec.flops import dit_token_flops
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from flow_bound import bound, load
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
     _timing(tmp_path / "timing.json.gz")
     cfg = FlowConfig()
     out = bound(load(tmp_path / "timing.json.gz"), target=50.0, ar_rows=10, cfg=cfg)
@@ -48,13 +47,6 @@ def test_required_flow_rate_from_a_synth_timing(tmp_path):
 
 
 def test_an_ar_step_beside_the_codec_takes_none_of_the_window(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from flow_bound import bound, load
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    from cosybatch.models.config import FlowConfig
-
     _timing(tmp_path / "timing.json.gz")
     run = load(tmp_path / "timing.json.gz")
     run["ar_beside"] = True  # what a profile result with scheduler.ar_stream: beside loads as
