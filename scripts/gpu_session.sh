@@ -2,7 +2,7 @@
 # One H200 lease: carried wheels, a full-size random checkpoint (real-cost frontends), the
 # EN1088-shaped workload, then the steps asked for. Results land in $OUT (or /tmp/cosybatch-out).
 #   scripts/gpu_session.sh STEP [STEP ...]
-# steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof fuseprof layerparts hiftprof hift frontend c32 c32host c32warm
+# steps: tests pipetests frontendtests frontendparts flowtests hifttests codec conv flowsweep flowprof fuseprof layerparts fp8gemm hiftprof hift frontend c32 c32host c32warm
 #        c64 c64cf c64seed full synth synthcache synthhost devices quick coldshapes coldops syncaudit enginetests prefill
 #        c32set=KEY=VALUE (the seed profile at C32 with one profile key overridden), c32warmset=KEY=VALUE
 #        (the same with --warm-prompts), c64set=KEY=VALUE (packed_streaming_c64 at C64)
@@ -162,6 +162,8 @@ for step in "$@"; do
         --json "$OUT/profile_fuse.json" 2>&1 | tee "$OUT/profile_fuse.txt" | grep -v "^  [ 0-9]" ;;
     layerparts) log "bench_layer_parts: each fused layer part vs the ops it replaces (µs, kernels, difference)"
       timeout 200 python3 scripts/bench_layer_parts.py --json "$OUT/bench_layer_parts.json" 2>&1 | tee "$OUT/bench_layer_parts.txt" | grep "^|" ;;
+    fp8gemm) log "bench_fp8_gemm: the DiT layer's four GEMMs, bf16 (cuBLASLt) vs fp8 row-wise (torch._scaled_mm), at the flow's token counts"
+      timeout 120 python3 scripts/bench_fp8_gemm.py --json "$OUT/bench_fp8_gemm.json" 2>&1 | tee "$OUT/bench_fp8_gemm.txt" | grep "^|" ;;
     conv) log "bench_codec --conv: the position convs, NCL vs channels-last, by length"
       timeout 200 python3 scripts/bench_codec.py --size full --device cuda --dtype bf16 --variants "" --conv \
         --json "$OUT/bench_conv.json" 2>&1 | tee "$OUT/bench_conv.txt" | grep -v "^#" ;;
