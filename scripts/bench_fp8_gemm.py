@@ -31,9 +31,11 @@ GEMMS = (("qkv", 1024, 3072), ("o", 1024, 1024), ("ff1", 1024, 2048), ("ff2", 20
 DEPTH = 22
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 rows of ``x`` and their float32 scales (x ~= q * scale)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
+def quantize(x: torch.Tensor, dim: int | None = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in float8 e4m3 and its float32 scales (x ~= q * scale), one scale per slice along
+    ``dim`` (the last: per row) or for the whole tensor (None): its largest magnitude meets 448."""
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    scale = amax.float().clamp_min(1e-12) / FP8_MAX
     return (x.float() / scale).to(FP8), scale
 
 
@@ -68,15 +70,15 @@ def bench(tokens: int, device, reps: int) -> dict:
         x32 = torch.randn(tokens, k, generator=g).to(device)
         w32 = (torch.randn(n, k, generator=g) / k ** 0.5).to(device)
         x, w = x32.bfloat16(), w32.bfloat16()
-        wq, ws = quantize_rows(w)  # weights once, per output channel
-        xq, xs = quantize_rows(x)
+        wq, ws = quantize(w)  # weights once, per output channel
+        xq, xs = quantize(x)
         want = x32 @ w32.t()
 
         def fp8(xq=xq, xs=xs, wq=wq, ws=ws):
             return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
 
         def fp8_quant(x=x, wq=wq, ws=ws):
-            q, s = quantize_rows(x)
+            q, s = quantize(x)
             return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.t(), out_dtype=torch.bfloat16)
 
         flops = 2.0 * tokens * k * n

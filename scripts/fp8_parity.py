@@ -32,21 +32,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fp8_gemm import quantize  # noqa: E402
+
 from cosybatch.models.config import DiTConfig, FlowConfig  # noqa: E402
 from cosybatch.models.flow import CausalMaskedDiffWithDiT  # noqa: E402
 from cosybatch.prompt import PromptFeatures  # noqa: E402
 from cosybatch.reference.token2wav import flow_full  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-
-
 def to_fp8(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """``x`` as float8 e4m3 would hold it, scaled so its largest magnitude (over ``dim``, or the
-    whole tensor with None) meets the format's largest value, and back to float32."""
-    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    scale = FP8_MAX / amax.clamp_min(1e-12)
-    return (x * scale).to(FP8).float() / scale
+    """``x`` as float8 e4m3 with scales along ``dim`` (None: one) holds it, back in float32."""
+    q, scale = quantize(x, dim)
+    return q.float() * scale
 
 
 ROUNDINGS = {
