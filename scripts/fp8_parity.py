@@ -13,8 +13,9 @@ op stays float32. Variants:
 
 Whole responses (`flow_full`: 10 Euler steps with CFG) of ``--rows`` random rows; each variant's
 mels against float32: relative RMS and largest absolute difference, and the ratio of each
-variant's error to bf16's. bf16 is the pipeline's arithmetic today, so the ratio says how much
-of the parity bound fp8 would take where bf16 takes its measured share.
+variant's error to bf16's. bf16 operands are what the pipeline's GEMMs read today; the bf16
+flow's whole error (all of its arithmetic in bf16, measured on the GPU) is larger than their
+rounding alone, and is what fp8's would add to (docs/performance.md, twenty-seventh session).
 
     python scripts/fp8_parity.py --rows 2 --json out.json
 """
