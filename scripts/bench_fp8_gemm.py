@@ -4,9 +4,10 @@ For each of q/k/v (1,024 -> 3,072), O (1,024 -> 1,024), FF1 (1,024 -> 2,048) and
 1,024) at ``--tokens`` rows: the bf16 GEMM the pipeline runs (`F.linear`, cuBLASLt), and
 `torch._scaled_mm` on float8 e4m3 operands (weights quantized once per output channel,
 activations per row), timed alone and with the activations' quantization before it (what a
-layer would pay unless the kernel before the GEMM wrote fp8 itself). CUDA events, median of
-``--reps``; µs per call, TFLOP/s, and the four GEMMs' sum in µs per token of a 22-layer Euler
-step, the unit of the step's fit (docs/performance.md, twenty-seventh session: ~0.62 µs of its
+layer would pay unless the kernel before the GEMM wrote fp8 itself). On CUDA the median of
+`triton.testing.do_bench` (L2 flushed between calls, as `bench_layer_parts` times the layer's
+other parts); on a CPU the median wall clock of ``--reps`` calls. µs per call, TFLOP/s, and the
+four GEMMs' sum in µs per token of a 22-layer Euler step, the unit of the step's fit (docs/performance.md, twenty-seventh session: ~0.62 µs of its
 1.08 are these GEMMs in bf16). The products against float32: relative RMS of each. Runs on a CPU
 too (small ``--tokens``: a check that it works, not a timing).
 
@@ -18,17 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosybatch.codec.flops import block_gemms  # noqa: E402
+from cosybatch.models.config import DiTConfig  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-# (name, in features, out features) of one DiT layer's GEMMs (dim 1,024, ff_mult 2)
-GEMMS = (("qkv", 1024, 3072), ("o", 1024, 1024), ("ff1", 1024, 2048), ("ff2", 2048, 1024))
-DEPTH = 22
+GEMMS = block_gemms(DiTConfig())  # the full-size model's
+DEPTH = DiTConfig.depth
 
 
 def quantize(x: torch.Tensor, dim: int | None = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,21 +46,18 @@ def quantize(x: torch.Tensor, dim: int | None = -1) -> tuple[torch.Tensor, torch
 
 
 def timed(fn, device, reps: int) -> float:
-    """Median microseconds of ``fn`` over ``reps`` calls (CUDA events; wall clock on a CPU)."""
+    """Median microseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, else ``reps`` calls'
+    wall clock."""
+    if device.type == "cuda":
+        import triton
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     fn()
     out = []
     for _ in range(reps):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            torch.cuda.synchronize()
-            out.append(e0.elapsed_time(e1) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(out)
 
 
@@ -96,7 +99,7 @@ def bench(tokens: int, device, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="2048,6912,23296")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="calls timed on a CPU (CUDA: do_bench's own)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -60,7 +60,7 @@ def bound(run: dict, target: float, ar_rows: int, cfg: FlowConfig) -> dict:
     decode_steps = run["audio_s"] * TOKEN_RATE / ar_rows
     step_s = tl["ar_step_ms"]["p50"] / 1e3
     mixed = tl["slice_ms"].get("ar_mixed") or {}
-    beside = run.get("ar_beside", False)
+    beside = run["ar_beside"]
     ar = {"ar_decode": decode_steps * step_s,
           "ar_mixed_prefill": max(0.0, mixed.get("total", 0.0) / 1e3 - mixed.get("count", 0) * step_s),
           "ar_prefill": ms.get("ar_prefill", 0.0)}

@@ -33,12 +33,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_fp8_gemm import quantize  # noqa: E402
+from bench_codec import make_rows  # noqa: E402
+from bench_fp8_gemm import quantize, rel_rms  # noqa: E402
 
 from cosybatch.models.config import DiTConfig, FlowConfig  # noqa: E402
 from cosybatch.models.flow import CausalMaskedDiffWithDiT  # noqa: E402
-from cosybatch.prompt import PromptFeatures  # noqa: E402
 from cosybatch.reference.token2wav import flow_full  # noqa: E402
+
 
 def to_fp8(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     """``x`` as float8 e4m3 with scales along ``dim`` (None: one) holds it, back in float32."""
@@ -75,31 +76,16 @@ def wrap_block_gemms(flow: CausalMaskedDiffWithDiT) -> list[RoundedLinear]:
     wrapped = []
     for block in flow.decoder.estimator.transformer_blocks:
         a, ff = block.attn, block.ff.ff
+        # a Sequential's or ModuleList's children are attributes named by their index
         for parent, name in ((a, "to_q"), (a, "to_k"), (a, "to_v"), (a.to_out, "0"), (ff[0], "0"), (ff, "2")):
-            w = RoundedLinear(getattr(parent, name) if not name.isdigit() else parent[int(name)])
-            if name.isdigit():
-                parent[int(name)] = w
-            else:
-                setattr(parent, name, w)
+            w = RoundedLinear(getattr(parent, name))
+            setattr(parent, name, w)
             wrapped.append(w)
     return wrapped
 
 
-def make_rows(cfg: FlowConfig, n: int, prompt_tokens: int, target_tokens: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        prompt = PromptFeatures(torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=g),
-                                torch.randn(1, cfg.spk_embed_dim, generator=g),
-                                torch.randn(1, 2 * prompt_tokens, cfg.output_size, generator=g))
-        rows.append((prompt, torch.randint(0, cfg.vocab_size, (target_tokens,), generator=g)))
-    return rows
-
-
 def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
-    d = (got - want).double()
-    return {"rel_rms": float(d.pow(2).mean().sqrt() / want.double().pow(2).mean().sqrt()),
-            "max_abs": float(d.abs().max())}
+    return {"rel_rms": rel_rms(got, want), "max_abs": float((got - want).abs().max())}
 
 
 def main(argv=None) -> int:
@@ -118,7 +104,7 @@ def main(argv=None) -> int:
     cfg = FlowConfig(dit=DiTConfig(depth=args.depth))
     flow = CausalMaskedDiffWithDiT(cfg).eval()
     gemms = wrap_block_gemms(flow)
-    rows = make_rows(cfg, args.rows, args.prompt_tokens, args.target_tokens)
+    rows = make_rows(cfg, args.rows, args.prompt_tokens, args.target_tokens, "cpu", seed=1)
     mels, out = {}, {"rows": args.rows, "prompt_tokens": args.prompt_tokens, "target_tokens": args.target_tokens,
                      "depth": args.depth, "variants": {}}
     with torch.inference_mode():

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_codec import build_flow, make_rows  # noqa: E402
 from kernel_census import census  # noqa: E402
 
+from cosybatch.codec.flops import attention_pair_flops, block_token_flops  # noqa: E402
 from cosybatch.codec.flow_runner import FUSIONS, FlowJob, FlowRunner  # noqa: E402
 from cosybatch.hops import HopSchedule, plan_segment  # noqa: E402
 
@@ -219,9 +220,7 @@ def by_class(per_layer: list, tokens: int, pairs: int, depth: int, d) -> dict:
         c = out.setdefault(kernel_class(r["kernel"]), {"us_layer": 0.0, "kernels": 0.0})
         c["us_layer"] += r["us"]
         c["kernels"] += r["count"]
-    inner, ff = d.heads * d.dim_head, d.dim * d.ff_mult
-    flops = {"gemm": 2.0 * tokens * (3 * d.dim * inner + inner * d.dim + 2 * d.dim * ff),
-             "attention": 4.0 * inner * pairs}
+    flops = {"gemm": tokens * block_token_flops(d), "attention": pairs * attention_pair_flops(d)}
     for name, c in out.items():
         c["us_per_token"] = c["us_layer"] * depth / max(tokens, 1)
         if name in flops and c["us_layer"] > 0:

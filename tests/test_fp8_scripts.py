@@ -38,7 +38,7 @@ def test_every_block_gemm_is_rounded_and_fp8_errs_about_16x_bf16():
     flow = CausalMaskedDiffWithDiT(cfg).eval()
     gemms = fp8_parity.wrap_block_gemms(flow)
     assert len(gemms) == 6 * 2
-    (prompt, tokens), = fp8_parity.make_rows(cfg, 1, 8, 8)
+    (prompt, tokens), = fp8_parity.make_rows(cfg, 1, 8, 8, "cpu")
     out = {}
     with torch.inference_mode():
         for v in ("fp32", "bf16", "fp8-row"):
